@@ -1,0 +1,102 @@
+"""The Xavier options a user sets at launch, parsed and validated once at the edge.
+
+``XavierConfig`` is frozen and travels unchanged from the launch call to the
+connector inside each replica process.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
+_SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+
+TRANSPORTS = ("xoscar", "nixl")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from a non-negative integer or a size such as ``256MiB`` or ``1GB``."""
+    if isinstance(value, bool):
+        raise ValueError(f"size must be an integer or a string, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be non-negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"size must be an integer or a string, got {value!r}")
+    match = _SIZE.match(value)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"malformed size {value!r}: use non-negative bytes or a number with "
+            f"one of the units {', '.join(u for u in _UNITS if u)} (e.g. 256MiB)"
+        )
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+@dataclass(frozen=True, slots=True)
+class XavierConfig:
+    """Per-model Xavier settings.
+
+    ``gpu_cache_bytes``: None keeps snapshots in CPU memory only; 0 selects the
+    GPU-first path with no device budget; a positive value is the device tier's
+    byte budget (rounded down to whole blocks by the store).
+    """
+
+    enabled: bool = False
+    gpu_cache_bytes: int | None = None
+    transport: str = "xoscar"
+
+    def __post_init__(self) -> None:
+        if self.gpu_cache_bytes is not None and self.gpu_cache_bytes < 0:
+            raise ValueError(
+                f"xavier_gpu_cache_bytes must be non-negative, got {self.gpu_cache_bytes}"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"unknown xavier transport {self.transport!r}; choose one of {TRANSPORTS}"
+            )
+
+    @classmethod
+    def from_options(
+        cls,
+        enable_xavier: bool = False,
+        xavier_gpu_cache_bytes: int | str | None = None,
+        xavier_transport: str = "xoscar",
+    ) -> XavierConfig:
+        size = (
+            None
+            if xavier_gpu_cache_bytes is None
+            else parse_size(xavier_gpu_cache_bytes)
+        )
+        return cls(
+            enabled=bool(enable_xavier),
+            gpu_cache_bytes=size,
+            transport=xavier_transport,
+        )
+
+    @property
+    def gpu_first(self) -> bool:
+        return self.gpu_cache_bytes is not None
+
+    def describe(self) -> str:
+        """The one line the launcher logs."""
+        if not self.enabled:
+            return "Xavier: off"
+        if self.gpu_cache_bytes is None:
+            tier = "CPU snapshots only"
+        else:
+            tier = f"GPU-first, device budget {self.gpu_cache_bytes} bytes"
+        return f"Xavier: on, {tier}, transport {self.transport}"

@@ -1,0 +1,61 @@
+"""Deterministic, chained hashes of prompt token blocks.
+
+Every replica must compute the same key for the same prefix, whatever its
+``PYTHONHASHSEED`` is, so Python's ``hash`` is out; we use xxh3-128 over an explicit
+byte encoding. Each block's hash covers its parent's hash, so a key names a whole
+prefix, not just one block's tokens. The format version and a namespace (model and
+geometry) are folded into the root, so a format change or another model can never
+silently match old keys.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+# Bump when anything about the encoding below changes.
+HASH_FORMAT_VERSION = 1
+
+BlockHash = bytes  # 16 bytes of xxh3-128 digest
+
+
+def root_hash(namespace: str) -> BlockHash:
+    """The parent of a prompt's first block: format version plus namespace."""
+    seed = f"xavier-block-hash/v{HASH_FORMAT_VERSION}/{namespace}".encode()
+    return xxhash.xxh3_128_digest(seed)
+
+
+def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one block chained through its parent's hash."""
+    if len(parent) != 16:
+        raise ValueError(f"parent hash must be 16 bytes, got {len(parent)}")
+    h = xxhash.xxh3_128()
+    h.update(parent)
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(_encode_tokens(token_ids))
+    return h.digest()
+
+
+def _encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Little-endian signed 64-bit encoding, independent of the host's byte order."""
+    encoded = array("q", token_ids)
+    if sys.byteorder != "little":
+        encoded.byteswap()
+    return encoded.tobytes()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, namespace: str
+) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids``; a partial tail is ignored."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    parent = root_hash(namespace)
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
