@@ -100,3 +100,63 @@ class XavierConfig:
         else:
             tier = f"GPU-first, device budget {self.gpu_cache_bytes} bytes"
         return f"Xavier: on, {tier}, transport {self.transport}"
+
+
+@dataclass(frozen=True, slots=True)
+class XavierReplicaSettings:
+    """Everything the connector inside one replica needs, fixed at launch.
+
+    It travels to vLLM's engine-core and worker processes inside
+    ``KVTransferConfig.kv_connector_extra_config["xavier"]`` as a plain dict (vLLM
+    hashes and copies its config), and is rebuilt with ``from_dict`` on arrival.
+    The transfer actor may not exist yet when the engine starts (the launcher creates
+    it once every replica has loaded): the connector maps its caches lazily.
+    """
+
+    config: XavierConfig
+    model_uid: str
+    rank: int
+    tracker_address: str
+    tracker_uid: str
+    transfer_address: str  # the replica's nixl:// pool address
+    transfer_uid: str
+    rpc_timeout_s: float = 10.0
+
+    def to_dict(self) -> dict:
+        return {
+            "enabled": self.config.enabled,
+            "gpu_cache_bytes": self.config.gpu_cache_bytes,
+            "transport": self.config.transport,
+            "model_uid": self.model_uid,
+            "rank": self.rank,
+            "tracker_address": self.tracker_address,
+            "tracker_uid": self.tracker_uid,
+            "transfer_address": self.transfer_address,
+            "transfer_uid": self.transfer_uid,
+            "rpc_timeout_s": self.rpc_timeout_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> XavierReplicaSettings:
+        try:
+            config = XavierConfig(
+                enabled=bool(data["enabled"]),
+                gpu_cache_bytes=data["gpu_cache_bytes"],
+                transport=data.get("transport", "xoscar"),
+            )
+            return cls(
+                config=config,
+                model_uid=str(data["model_uid"]),
+                rank=int(data["rank"]),
+                tracker_address=str(data["tracker_address"]),
+                tracker_uid=str(data["tracker_uid"]),
+                transfer_address=str(data["transfer_address"]),
+                transfer_uid=str(data["transfer_uid"]),
+                rpc_timeout_s=float(data.get("rpc_timeout_s", 10.0)),
+            )
+        except KeyError as missing:
+            raise ValueError(f"Xavier replica settings lack {missing}") from None
+
+
+def transfer_actor_uid(model_uid: str, rank: int) -> str:
+    return f"xavier-transfer-{model_uid}-{rank}"

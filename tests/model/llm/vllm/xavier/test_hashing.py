@@ -1,0 +1,81 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xinference.model.llm.vllm.xavier import hashing
+from xinference.model.llm.vllm.xavier.hashing import (
+    block_hash,
+    hash_full_blocks,
+    root_hash,
+)
+
+_PRINT_HASHES = (
+    "from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks;"
+    "print([h.hex() for h in hash_full_blocks(list(range(100)), 16, 'm')])"
+)
+
+
+def test_identical_across_processes_whatever_the_hash_seed():
+    """Two processes with different PYTHONHASHSEED values agree on every key."""
+    outputs = set()
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run(
+            [sys.executable, "-c", _PRINT_HASHES],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        outputs.add(out)
+    assert len(outputs) == 1
+    assert outputs.pop().strip() == str(
+        [h.hex() for h in hash_full_blocks(list(range(100)), 16, "m")]
+    )
+
+
+def test_only_full_blocks_are_hashed():
+    assert len(hash_full_blocks(list(range(47)), 16, "m")) == 2
+    assert len(hash_full_blocks(list(range(48)), 16, "m")) == 3
+    assert hash_full_blocks(list(range(15)), 16, "m") == []
+
+
+def test_chained_through_the_parent():
+    """Blocks with equal tokens but different prefixes get different keys."""
+    a = hash_full_blocks([1] * 16 + [7] * 16, 16, "m")
+    b = hash_full_blocks([2] * 16 + [7] * 16, 16, "m")
+    assert a[0] != b[0]
+    assert a[1] != b[1]
+    assert a[1] == block_hash(a[0], [7] * 16)
+
+
+def test_shared_prefix_shares_leading_keys():
+    a = hash_full_blocks(list(range(64)), 16, "m")
+    b = hash_full_blocks(list(range(32)) + [999] * 32, 16, "m")
+    assert a[:2] == b[:2]
+    assert a[2] != b[2]
+
+
+def test_namespace_and_format_version_change_every_key(monkeypatch):
+    tokens = list(range(32))
+    base = hash_full_blocks(tokens, 16, "model-a")
+    assert hash_full_blocks(tokens, 16, "model-b")[0] != base[0]
+    monkeypatch.setattr(hashing, "HASH_FORMAT_VERSION", hashing.HASH_FORMAT_VERSION + 1)
+    assert hash_full_blocks(tokens, 16, "model-a")[0] != base[0]
+
+
+def test_large_and_negative_token_ids_are_distinct():
+    assert block_hash(root_hash("m"), [2**40]) != block_hash(root_hash("m"), [0])
+    assert block_hash(root_hash("m"), [-1]) != block_hash(
+        root_hash("m"), [2**64 - 1 - 2**63]
+    )
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="block_size"):
+        hash_full_blocks([1, 2], 0, "m")
+    with pytest.raises(ValueError, match="16 bytes"):
+        block_hash(b"short", [1])
