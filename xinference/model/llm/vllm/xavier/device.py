@@ -1,0 +1,186 @@
+"""Device idioms in one place: fences, and sharing tensors between processes.
+
+Everything else in Xavier is written once for CPU and CUDA tensors alike; what differs
+between the two lives here.
+
+Sharing keeps vLLM's process topology: the engine's worker process owns the KV cache,
+the transfer actor lives in another process and maps the very same memory.
+
+- CUDA: CUDA IPC through torch's own tensor reduction
+  (``torch.multiprocessing.reductions.reduce_tensor``). We chose it over calling
+  ``UntypedStorage._share_cuda_`` ourselves because the reduction and its rebuild
+  function come from the same torch install and keep the producer's IPC reference
+  counting and stream event in step; the private call's tuple has changed shape across
+  torch releases.
+- CPU: ``_share_fd_cpu_`` moves the storage into shared memory *in place* (vLLM keeps
+  using the same storage object, so every layer view follows) and returns a file
+  descriptor; the importer opens ``/proc/<pid>/fd/<fd>`` and maps it. This needs the
+  same user and a live exporter at import time, which the topology gives us; it needs
+  no authkey, unlike torch's fd-passing reductions.
+
+Handles describe each distinct storage once, and each tensor as a view of one of
+them, so layers that are views of one allocation map to one allocation in the
+importer (one mmap, one IPC open), exactly as in the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+
+def fence(device: torch.device | str) -> None:
+    """Block until every copy queued on ``device`` has completed.
+
+    CPU copies are synchronous, so this is a no-op there. Blocking: call it from a
+    worker thread (``asyncio.to_thread``) inside an event loop.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuStorageHandle:
+    """A CPU storage in shared memory, reachable as ``/proc/<pid>/fd/<fd>``."""
+
+    pid: int
+    fd: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CudaStorageHandle:
+    """A CUDA storage: torch's rebuild function and its arguments for a flat
+    ``uint8`` tensor over the whole storage (CUDA IPC handle inside)."""
+
+    rebuild: Callable[..., torch.Tensor]
+    args: tuple[Any, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """One exported tensor: a view of ``storages[storage]`` (offset in elements)."""
+
+    storage: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class SharedTensorHandles:
+    """Picklable description of tensors shared by one process with another."""
+
+    device_type: str  # "cpu" or "cuda"
+    storages: tuple[CpuStorageHandle | CudaStorageHandle, ...]
+    views: tuple[TensorView, ...]
+
+
+def export_tensors(tensors: Sequence[torch.Tensor]) -> SharedTensorHandles:
+    """Share ``tensors`` with another process of the same user on this host.
+
+    On CPU this moves each storage into shared memory in place (a one-time copy;
+    tensors and views keep working and see the shared memory afterwards). The
+    exporting process must stay alive until the importer has imported.
+    """
+    if not tensors:
+        raise ValueError("nothing to export: the tensor list is empty")
+    device_types = {t.device.type for t in tensors}
+    if len(device_types) != 1:
+        raise ValueError(f"tensors on mixed device types {sorted(device_types)}")
+    (device_type,) = device_types
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"cannot share tensors on {device_type!r}")
+
+    # storage data_ptr -> index into `storages`; views of one allocation share it.
+    index_of: dict[int, int] = {}
+    storages: list[CpuStorageHandle | CudaStorageHandle] = []
+    views: list[TensorView] = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if device_type == "cpu":
+            # Must precede reading data_ptr: the move into shared memory is in place
+            # but changes the storage's address.
+            fd, nbytes = storage._share_fd_cpu_()
+            key = storage.data_ptr()
+            if key not in index_of:
+                index_of[key] = len(storages)
+                storages.append(CpuStorageHandle(os.getpid(), int(fd), int(nbytes)))
+        else:
+            key = storage.data_ptr()
+            if key not in index_of:
+                index_of[key] = len(storages)
+                storages.append(_export_cuda_storage(storage))
+        views.append(
+            TensorView(
+                storage=index_of[key],
+                offset=int(tensor.storage_offset()),
+                shape=tuple(tensor.shape),
+                stride=tuple(tensor.stride()),
+                dtype=tensor.dtype,
+            )
+        )
+    return SharedTensorHandles(device_type, tuple(storages), tuple(views))
+
+
+def import_tensors(handles: SharedTensorHandles) -> list[torch.Tensor]:
+    """Map tensors exported by another process, in export order.
+
+    The returned tensors keep the mapped memory alive: hold them for as long as the
+    memory is used. Writes through them are seen by the exporter and vice versa.
+    """
+    storages = [_import_storage(h) for h in handles.storages]
+    tensors = []
+    for view in handles.views:
+        storage = storages[view.storage]
+        tensor = torch.empty(0, dtype=view.dtype, device=storage.device)
+        tensor.set_(storage, view.offset, view.shape, view.stride)
+        tensors.append(tensor)
+    return tensors
+
+
+def _export_cuda_storage(storage: torch.UntypedStorage) -> CudaStorageHandle:
+    nbytes = storage.nbytes()
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    flat.set_(storage, 0, (nbytes,), (1,))
+    rebuild, args = reduce_tensor(flat)
+    return CudaStorageHandle(rebuild, tuple(args), nbytes)
+
+
+def _import_storage(
+    handle: CpuStorageHandle | CudaStorageHandle,
+) -> torch.UntypedStorage:
+    if isinstance(handle, CpuStorageHandle):
+        path = f"/proc/{handle.pid}/fd/{handle.fd}"
+        try:
+            storage = torch.UntypedStorage.from_file(
+                path, shared=True, nbytes=handle.nbytes
+            )
+        except (OSError, RuntimeError) as exc:
+            raise RuntimeError(
+                f"cannot map shared tensor memory {path} ({handle.nbytes} bytes): "
+                "the exporting process must be alive and run as the same user"
+            ) from exc
+        return storage  # type: ignore[return-value]
+    flat = handle.rebuild(*handle.args)
+    return flat.untyped_storage()  # type: ignore[return-value]
+
+
+def release_memory(device: torch.device | str) -> None:
+    """Hand memory freed by dropped tensors back to the system.
+
+    CUDA keeps freed blocks in its caching allocator and closed IPC mappings until
+    asked; CPU memory (including unmapped shared memory) is returned on release.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
