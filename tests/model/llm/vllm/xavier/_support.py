@@ -203,6 +203,7 @@ class Cluster:
         cpu_capacity_blocks: int | None,
         rpc_timeout_s: float = 20.0,
         map_caches: bool = True,
+        lease_ttl_s: float = 300.0,
     ) -> Any:
         """A transfer actor for ``engine`` in sub-pool ``rank``, its caches mapped
         the way the connector's worker side maps them."""
@@ -214,6 +215,7 @@ class Cluster:
             gpu_cache_bytes=gpu_cache_bytes,
             cpu_capacity_blocks=cpu_capacity_blocks,
             rpc_timeout_s=rpc_timeout_s,
+            lease_ttl_s=lease_ttl_s,
         )
         ref = await xo.create_actor(
             XavierTransferActor,

@@ -215,6 +215,36 @@ async def test_load_rejects_a_policy_size_that_is_no_view(local_pool):
         await gt.load_rows(1, push, "lease", [slot_key(0)], lambda r, t: None)
 
 
+async def test_a_failed_push_retires_the_receive_slab(local_pool):
+    """The holder's push times out on our side while its write may still be in
+    flight: the slab it may write into is never used again, the next load gets a
+    fresh slab with fresh refs, and the retired one stays allocated."""
+    gt = GPUTransfer(local_pool, "cpu", QWEN)
+    old_view = gt.recv_views[gt.full_bytes]
+    old_refs = dict(gt.recv_refs)
+
+    async def failing_push(req):
+        raise TimeoutError("holder did not answer in time")
+
+    with pytest.raises(TimeoutError):
+        await gt.load_rows(1, failing_push, "lease", [slot_key(0)], lambda r, t: None)
+    assert gt.counters.retired_receive_slabs == 1
+    new_view = gt.recv_views[gt.full_bytes]
+    assert new_view.data_ptr() != old_view.data_ptr()
+    assert all(gt.recv_refs[size] is not old_refs[size] for size in old_refs)
+    # the retired slab is still owned by the runtime: a late write lands there
+    assert any(views[gt.full_bytes] is old_view for views, _ in gt._retired_recv)
+
+    pushed = []
+
+    async def push(req):
+        pushed.append(req)
+
+    await gt.load_rows(1, push, "lease", [slot_key(0)], lambda r, t: None)
+    assert pushed[0].dest is gt.recv_refs[pushed[0].wire_bytes]
+    assert gt.counters.retired_receive_slabs == 1
+
+
 async def test_closed_runtime_refuses_work(local_pool):
     gt = GPUTransfer(local_pool, "cpu", QWEN)
     await gt.close()

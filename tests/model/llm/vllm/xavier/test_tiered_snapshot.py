@@ -390,7 +390,7 @@ def test_failed_demotion_copy_leaves_the_snapshot_whole(monkeypatch):
     def broken_copy(device):
         raise RuntimeError("injected copy fault")
 
-    monkeypatch.setattr(tiered_snapshot, "_wait_for_device_copies", broken_copy)
+    monkeypatch.setattr(tiered_snapshot, "fence", broken_copy)
     with pytest.raises(RuntimeError, match="injected copy fault"):
         store.begin_stage(key(2), "bfloat16")
     assert tier_of(store, 1) == DEVICE_TIER

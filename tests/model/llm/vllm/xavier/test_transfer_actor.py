@@ -328,6 +328,28 @@ async def test_a_failing_stage_copy_publishes_nothing(cluster):
     assert await holder.stage(stage_items(keys, [0, 1, 2])) == 0  # already present
 
 
+async def test_a_lease_its_loader_abandoned_expires(cluster):
+    """A loader reserved snapshots and died: after lease_ttl_s the holder releases
+    the lease itself (on its next reservation), so the snapshots are not pinned
+    forever; a fresh lease still works."""
+    engine = SyntheticEngine(SPEC)
+    holder = await cluster.add_replica(
+        0, engine, None, 64, rpc_timeout_s=1.0, lease_ttl_s=1.5
+    )
+    keys = prompt_keys(2, salt=8)
+    engine.fill_random(range(2), seed=8)
+    assert await holder.stage(stage_items(keys, [0, 1])) == 2
+    abandoned = await holder.reserve(keys, new_id("lease"), engine.identity())
+    assert len(abandoned.keys) == 2
+    assert (await holder.stats())["store"]["active_leases"] == 1
+    await asyncio.sleep(2.0)
+    fresh = await holder.reserve(keys[:1], new_id("lease"), engine.identity())
+    assert len(fresh.keys) == 1
+    stats = await holder.stats()
+    assert stats["actor"]["leases_expired"] == 1
+    assert stats["store"]["active_leases"] == 1  # only the fresh one
+
+
 async def test_dropped_snapshots_are_unregistered_from_the_tracker(cluster):
     """A CPU tier of 4 blocks and no device tier: staging 6 drops the 2 oldest."""
     engine = SyntheticEngine(SPEC)

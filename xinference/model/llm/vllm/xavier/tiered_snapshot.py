@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .hashing import BlockHash
+from .device import fence
+from .layout import wide_view
 from .lru import LRUOrder
 from .messages import CPU_TIER, DEVICE_TIER, KVGeometry
 
@@ -108,20 +110,6 @@ class _Tier:
     def slot_rows(self, slot: int) -> torch.Tensor:
         first = self.first_row(slot)
         return self.rows[first : first + self.num_layers]
-
-
-def _wait_for_device_copies(device: torch.device) -> None:
-    """Block until copies issued on ``device``'s current stream have completed.
-
-    Demotion reads a device slot and then hands that slot to a new snapshot, whose
-    writer may use another stream; the read must be finished first. A device-to-
-    pageable-host ``copy_`` is already synchronous, so this costs little, but it
-    keeps the guarantee explicit if the CPU tier becomes pinned memory and copies
-    become asynchronous. TODO(device.py): that module owns device idioms; replace
-    this helper with its ``fence(device)`` once it has landed.
-    """
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 class TieredKVSnapshotStore:
@@ -462,8 +450,11 @@ class TieredKVSnapshotStore:
             raise AssertionError(f"{key.hex()} is leased and must not be demoted")
         cpu_slot = cpu.take_free_slot()
         try:
-            cpu.slot_rows(cpu_slot).copy_(device.slot_rows(record.slot))
-            _wait_for_device_copies(self.device)
+            target = wide_view(cpu.slot_rows(cpu_slot))
+            target.copy_(wide_view(device.slot_rows(record.slot), target.dtype))
+            # The device slot goes to a new snapshot next, whose writer may use
+            # another stream: the read out of it must have completed.
+            fence(self.device)
         except BaseException:
             cpu.give_back_slot(cpu_slot)
             raise

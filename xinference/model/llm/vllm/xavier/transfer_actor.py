@@ -73,6 +73,9 @@ class TransferActorConfig:
     cpu_capacity_blocks: int | None = None
     transport: str = "xoscar"
     rpc_timeout_s: float = 30.0
+    # A lease older than this is released by the holder itself: the loader that
+    # took it died or lost track of it, and its snapshots must not stay pinned.
+    lease_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -92,6 +95,11 @@ class TransferActorConfig:
         if not self.rpc_timeout_s > 0:
             raise ValueError(
                 f"rpc_timeout_s must be positive, got {self.rpc_timeout_s}"
+            )
+        if not self.lease_ttl_s > self.rpc_timeout_s:
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must exceed rpc_timeout_s "
+                f"({self.rpc_timeout_s}): a lease must outlive one load's waits"
             )
 
 
@@ -120,6 +128,7 @@ class _ActorCounters:
     snapshots_staged: int = 0
     stage_failures: int = 0
     lease_release_failures: int = 0
+    leases_expired: int = 0
     tracker_failures: int = 0
 
 
@@ -141,6 +150,8 @@ class XavierTransferActor(xo.StatelessActor):
         self._results: dict[str, LoadResult] = {}
         # engine block id -> id of the load that is writing it
         self._busy_blocks: dict[int, str] = {}
+        # lease id -> loop time it was granted (holder side, non-empty grants only)
+        self._lease_granted_at: dict[str, float] = {}
         # (address, uid) -> actor ref of a holder
         self._holder_refs: dict[tuple[str, str], Any] = {}
         # stage and push_rows calls in progress, drained by close()
@@ -336,7 +347,11 @@ class XavierTransferActor(xo.StatelessActor):
                 f"replica {self._config.rank} cannot share KV with this requester: "
                 f"{reason}"
             )
-        entries = self._require_store().lease(lease_id, keys)
+        store = self._require_store()
+        self._expire_leases(store)
+        entries = store.lease(lease_id, keys)
+        if entries:
+            self._lease_granted_at[lease_id] = asyncio.get_running_loop().time()
         return LeaseGrant(
             lease_id=lease_id,
             holder_rank=self._config.rank,
@@ -347,8 +362,26 @@ class XavierTransferActor(xo.StatelessActor):
 
     async def release(self, lease_id: str) -> None:
         """Release a lease; idempotent, and a no-op once the actor has closed."""
+        self._lease_granted_at.pop(lease_id, None)
         if self._store is not None:
             self._store.release(lease_id)
+
+    def _expire_leases(self, store: TieredKVSnapshotStore) -> None:
+        """Release leases older than ``lease_ttl_s``. A load still reading under an
+        expired lease then fails cleanly (unknown key under that lease), and its
+        request recomputes; pinning snapshots forever would be worse."""
+        deadline = asyncio.get_running_loop().time() - self._config.lease_ttl_s
+        expired = [lid for lid, t in self._lease_granted_at.items() if t < deadline]
+        for lease_id in expired:
+            del self._lease_granted_at[lease_id]
+            store.release(lease_id)
+            self._counters.leases_expired += 1
+            logger.warning(
+                "rank %d released lease %s after %.0f s: its loader never did",
+                self._config.rank,
+                lease_id,
+                self._config.lease_ttl_s,
+            )
 
     async def push_rows(self, req: PushRequest) -> None:
         """Peer-facing: write rows of leased device-tier snapshots into ``req.dest``."""
