@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
-from xinference.model.llm.vllm.xavier.layout import CPU_LAYOUT, KV_FIRST_LAYOUT
+from xinference.model.llm.vllm.xavier.layout import (
+    BLOCK_FIRST_LAYOUT,
+    CPU_LAYOUT,
+    KV_FIRST_LAYOUT,
+)
 from xinference.model.llm.vllm.xavier.messages import (
     CPU_TIER,
     DEVICE_TIER,
@@ -130,6 +134,50 @@ async def test_all_bf16_bit_patterns_survive_a_load_from_a_peer_process(
     )
     if DEVICE_TIER in expected_tiers:
         assert holder_stats["transport"]["copies"] >= 1  # a real copy_to was made
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "holder_layout, loader_layout",
+    [
+        (KV_FIRST_LAYOUT, KV_FIRST_LAYOUT),
+        (BLOCK_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT),
+        (KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT),
+    ],
+)
+async def test_gpu_layouts_load_bit_exact_through_both_tiers(
+    cluster, holder_layout, loader_layout, device
+):
+    """vLLM's GPU layouts, mapped into the transfer actors the way the connector
+    maps them (exported tensors, ``map_engine_caches``): the holder's device tier
+    holds 4 snapshots, so staging the 16 blocks of BF16 patterns demotes 12 to the
+    CPU tier; the loader brings all 16 back into its engine (on the GPU when the
+    device is CUDA), bit-exact, also between the two GPU layouts, whose rows hold
+    the same bytes."""
+    holder_spec = dataclasses.replace(SPEC, layout=holder_layout, device=device)
+    loader_spec = dataclasses.replace(SPEC, layout=loader_layout, device=device)
+    source, target = SyntheticEngine(holder_spec), SyntheticEngine(loader_spec)
+    budget = 4 * source.geometry.block_nbytes
+    holder = await cluster.add_replica(0, source, budget, 64)
+    loader = await cluster.add_replica(1, target, None, 64)
+    patterns = all_bf16_patterns()
+    n = patterns.numel() // source.block_elements()
+    src_blocks = source.fill_blocks(range(5, 5 + n), patterns)
+    keys = prompt_keys(n, salt=11)
+    for i in range(0, n, 4):
+        staged = await holder.stage(stage_items(keys[i : i + 4], src_blocks[i : i + 4]))
+        assert staged == 4
+    assert (await holder.stats())["store"]["demotions"] == n - 4
+
+    dst_blocks = list(range(63, 63 - n, -1))
+    grant, result = await load_blocks(
+        loader, holder, keys, dst_blocks, target.identity()
+    )
+    assert result.ok, result.error
+    assert set(grant.tiers) == {DEVICE_TIER, CPU_TIER}
+    loaded = torch.cat([target.read_block(b).reshape(-1) for b in dst_blocks])
+    assert torch.equal(loaded.view(torch.int16), patterns.view(torch.int16))
+    assert target.tensors[0].device.type == device
 
 
 @pytest.mark.parametrize("device", DEVICES)
