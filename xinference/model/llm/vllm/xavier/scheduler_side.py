@@ -1,0 +1,544 @@
+"""The scheduler half of the Xavier connector: what to load, from whom, into where.
+
+It runs in vLLM's engine-core process and works on plain data handed over by the
+facade (``v1_connector.py``): token ids, counts and block ids, never vLLM objects.
+Per request it
+
+1. hashes the prompt's full blocks once (the last prompt token never counts: vLLM
+   must compute at least one token to sample the next, so only
+   ``prompt[: len - 1]``'s full blocks can come from a peer);
+2. asks the tracker for the longest prefix another replica holds, beyond the blocks
+   vLLM already has locally, and reserves leases on the holder's snapshots;
+3. after vLLM allocated destination blocks, turns the reservation into a load;
+4. each step, names the prompt blocks that became full, to stage and publish them;
+5. releases a reservation that never became a load when the request goes away.
+
+A failed, refused or late answer from a peer is a miss: the engine computes the
+blocks itself. Nothing here may stall the scheduler beyond one RPC deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import xoscar as xo
+
+from .hashing import BlockHash, hash_full_blocks
+from .messages import LeaseGrant, LoadRequest, PrefixHit, ReplicaIdentity, StageItem
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# An incompatible holder stays incompatible until redeployed: ask again rarely.
+INCOMPATIBLE_BACKOFF_S = 600.0
+
+
+class BackgroundLoop:
+    """An asyncio loop in a daemon thread, for xoscar calls from synchronous vLLM code.
+
+    vLLM calls the connector from plain threads; xoscar's client API is async. Every
+    call through ``run`` carries a deadline, enforced inside the loop, so a dead peer
+    costs at most that long.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=name, daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop and return at once."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the Xavier background loop is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, awaitable: Awaitable[T], timeout: float) -> T:
+        """Run ``awaitable`` on the loop and wait for it, at most ``timeout`` seconds.
+
+        Raises ``TimeoutError`` (and cancels the work) past the deadline.
+        """
+        future = self.submit(with_deadline(awaitable, timeout))
+        # The deadline is enforced in the loop; the extra second only guards
+        # against a loop that is itself stuck.
+        return future.result(timeout + 1.0)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel what still runs on the loop (client connections...), then stop it."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def cancel_the_rest() -> None:
+            current = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not current]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_the_rest(), self._loop).result(
+                timeout + 1.0
+            )
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass  # stopping the loop below is all that is left to do
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def with_deadline(awaitable: Awaitable[T], timeout: float) -> T:
+    # xo.wait_for, not asyncio.wait_for: it gives up on time even when cancelling
+    # an actor call cannot reach a peer that stopped answering.
+    result: T = await xo.wait_for(awaitable, timeout)
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    """What the scheduler half needs, validated by the facade."""
+
+    rank: int
+    namespace: str  # hash namespace: identical on every replica of one model
+    block_size: int
+    load_async: bool  # True when a device budget is configured (GPU-first)
+    rpc_timeout_s: float
+    # A holder (or the tracker) that failed is not asked again for this long.
+    backoff_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLoad:
+    """One request's load for this step; ``load`` is None when it cannot start.
+
+    ``failed_block_ids`` lists the blocks that vLLM counts as externally computed
+    but that will not be written (reported as load errors by the worker).
+    """
+
+    req_id: str
+    load: LoadRequest | None
+    failed_block_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """Scheduler -> worker, once per step."""
+
+    loads: tuple[RequestLoad, ...] = ()
+    stage: tuple[StageItem, ...] = ()
+    load_async: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """What the facade tells about one request scheduled in this step."""
+
+    req_id: str
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int
+    block_ids: Sequence[int | None]  # group 0, position -> block id (None: null)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    grant: LeaseGrant
+    holder: PrefixHit  # who granted it (rank and transfer actor address)
+    first_block: int  # prompt block index of grant.keys[0]
+
+
+@dataclass(slots=True)
+class _RequestState:
+    prompt_keys: list[BlockHash]  # full blocks of the whole prompt
+    num_prompt_tokens: int
+    staged_upto: int = 0  # prompt blocks [0, staged_upto) need no staging here
+    reservation: _Reservation | None = None
+    loaded_blocks: int = 0
+    holder_rank: int | None = None
+
+
+# Remote calls the scheduler half makes; injectable so tests can run it against
+# real actors in a pool or against failing peers.
+QueryPrefix = Callable[[int, list[BlockHash]], Awaitable[PrefixHit | None]]
+# reserve(holder, keys, lease_id, requester) and release(holder, lease_id)
+Reserve = Callable[
+    [PrefixHit, list[BlockHash], str, ReplicaIdentity], Awaitable[LeaseGrant]
+]
+Release = Callable[[PrefixHit, str], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Backoff:
+    # peer key ("tracker" or a holder address) -> monotonic time it may be asked again
+    until: dict[str, float] = field(default_factory=dict)
+
+    def blocked(self, peer: str) -> bool:
+        deadline = self.until.get(peer)
+        if deadline is None:
+            return False
+        if time.monotonic() >= deadline:
+            del self.until[peer]
+            return False
+        return True
+
+    def block(self, peer: str, seconds: float) -> None:
+        self.until[peer] = time.monotonic() + seconds
+
+
+class SchedulerSide:
+    """Per-engine scheduler state of the Xavier connector (single-threaded use)."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        loop: BackgroundLoop,
+        query_prefix: QueryPrefix,
+        reserve: Reserve,
+        release: Release,
+    ) -> None:
+        self._settings = settings
+        self._loop = loop
+        self._query_prefix = query_prefix
+        self._reserve = reserve
+        self._release = release
+        self._identity: ReplicaIdentity | None = None
+        # req_id -> per-request state, from the first lookup to request_finished
+        self._requests: dict[str, _RequestState] = {}
+        # loads decided since the last step was built
+        self._new_loads: list[RequestLoad] = []
+        self._backoff = _Backoff()
+        self._lease_seq = itertools.count()
+        self._releases: list[concurrent.futures.Future[None]] = []
+        # counters for logs and tests
+        self.stats: dict[str, int] = {
+            "lookups": 0,
+            "hits": 0,
+            "hit_blocks": 0,
+            "misses_refused": 0,
+            "misses_peer_error": 0,
+            "misses_incompatible": 0,
+            "staged_blocks": 0,
+        }
+
+    @property
+    def identity(self) -> ReplicaIdentity | None:
+        return self._identity
+
+    def tracks(self, req_id: str) -> bool:
+        """Whether ``req_id`` went through a lookup here (only those are staged)."""
+        return req_id in self._requests
+
+    def set_identity(self, identity: ReplicaIdentity) -> None:
+        """This replica's identity, known once the worker mapped its caches."""
+        if self._identity is None:
+            logger.info("Xavier replica %d ready: %s", self._settings.rank, identity)
+        self._identity = identity
+
+    # ---- lookup and reservation -------------------------------------------------
+
+    def num_new_matched_tokens(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        num_computed_tokens: int,
+        allow_remote: bool = True,
+    ) -> tuple[int, bool]:
+        """Tokens a peer can supply beyond ``num_computed_tokens``, and whether async.
+
+        vLLM may ask again for the same request (when it could not schedule it): a
+        standing reservation that still fits is reused, otherwise it is released
+        before a new one is made. ``allow_remote=False`` (the request must not read
+        cached prefixes) only records the prompt, so its blocks are still staged.
+        """
+        state = self._state_for(req_id, prompt_token_ids)
+        block_size = self._settings.block_size
+        local_blocks = num_computed_tokens // block_size
+        # Only the prompt minus its last token can be supplied.
+        lookup_blocks = (state.num_prompt_tokens - 1) // block_size
+        state.staged_upto = max(state.staged_upto, local_blocks)
+        if lookup_blocks <= local_blocks or self._identity is None or not allow_remote:
+            self._drop_reservation(state)
+            return 0, False
+
+        standing = state.reservation
+        if standing is not None:
+            if standing.first_block == local_blocks:
+                return self._answer(standing)
+            self._drop_reservation(state)
+
+        self.stats["lookups"] += 1
+        reservation = self._lookup_and_reserve(
+            req_id, state.prompt_keys[:lookup_blocks], local_blocks
+        )
+        if reservation is None:
+            return 0, False
+        state.reservation = reservation
+        return self._answer(reservation)
+
+    def _answer(self, reservation: _Reservation) -> tuple[int, bool]:
+        tokens = len(reservation.grant.keys) * self._settings.block_size
+        return tokens, self._settings.load_async
+
+    def _lookup_and_reserve(
+        self, req_id: str, keys: list[BlockHash], local_blocks: int
+    ) -> _Reservation | None:
+        settings = self._settings
+        if self._backoff.blocked("tracker"):
+            return None
+        try:
+            hit = self._loop.run(
+                self._query_prefix(settings.rank, keys), settings.rpc_timeout_s
+            )
+        except Exception as exc:  # any tracker failure is a miss, logged once
+            self._peer_failed("tracker", "the block tracker", exc)
+            return None
+        if hit is None or hit.num_blocks <= local_blocks:
+            return None
+        if self._backoff.blocked(hit.address):
+            return None
+
+        assert self._identity is not None
+        lease_id = f"xavier-{settings.rank}-{req_id}-{next(self._lease_seq)}"
+        wanted = keys[local_blocks : hit.num_blocks]
+        try:
+            grant = self._loop.run(
+                self._reserve(hit, wanted, lease_id, self._identity),
+                settings.rpc_timeout_s,
+            )
+        except ValueError as exc:
+            # The holder compared identities and refuses (another model, dtype,
+            # layout, block size or protocol): a deployment error, never a reason to
+            # load wrong KV. Computing locally is correct; say so loudly, once.
+            self.stats["misses_incompatible"] += 1
+            self._backoff.block(hit.address, INCOMPATIBLE_BACKOFF_S)
+            logger.error(
+                "Xavier: replica %d cannot share KV with replica %d: %s; computing "
+                "locally and not asking it again for %.0f s",
+                hit.rank,
+                settings.rank,
+                exc,
+                INCOMPATIBLE_BACKOFF_S,
+            )
+            return None
+        except Exception as exc:  # a holder that fails to answer is a miss
+            self._peer_failed(hit.address, f"replica {hit.rank}", exc)
+            if isinstance(exc, TimeoutError):
+                # The holder may have granted after we stopped waiting: let go.
+                self._release_soon(hit, lease_id)
+            return None
+        # The holder grants the longest leading run it still has; anything else
+        # (an evicted snapshot, a refusal) shortens or empties the grant.
+        usable = _leading_match(grant.keys, wanted)
+        if usable == 0:
+            self.stats["misses_refused"] += 1
+            self._release_soon(hit, lease_id)
+            return None
+        if usable < len(grant.keys):
+            grant = _truncate(grant, usable)
+        self.stats["hits"] += 1
+        self.stats["hit_blocks"] += usable
+        return _Reservation(grant, hit, local_blocks)
+
+    def _peer_failed(self, peer: str, what: str, exc: BaseException) -> None:
+        self.stats["misses_peer_error"] += 1
+        self._backoff.block(peer, self._settings.backoff_s)
+        logger.warning(
+            "Xavier: %s did not answer (%s: %s); computing locally and not asking "
+            "it again for %.0f s",
+            what,
+            type(exc).__name__,
+            exc,
+            self._settings.backoff_s,
+        )
+
+    # ---- allocation -> load -----------------------------------------------------
+
+    def on_allocated(
+        self,
+        req_id: str,
+        block_ids: Sequence[Sequence[int | None]],
+        num_external_tokens: int,
+    ) -> None:
+        """vLLM allocated blocks for ``req_id``; ``block_ids`` per cache group.
+
+        With ``num_external_tokens == 0`` nothing is loaded: a standing reservation
+        (vLLM preferred its local hit, or this is the second call after an async
+        load) is released.
+        """
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        reservation = state.reservation
+        if num_external_tokens == 0 or reservation is None:
+            self._drop_reservation(state)
+            return
+        state.reservation = None
+        block_size = self._settings.block_size
+        num_blocks = num_external_tokens // block_size
+        if num_external_tokens % block_size or not (
+            0 < num_blocks <= len(reservation.grant.keys)
+        ):
+            raise AssertionError(
+                f"vLLM asked for {num_external_tokens} external tokens of request "
+                f"{req_id}, but {len(reservation.grant.keys)} blocks of "
+                f"{block_size} tokens were offered"
+            )
+        grant = _truncate(reservation.grant, num_blocks)
+        first = reservation.first_block
+        group = block_ids[0] if block_ids else ()
+        destinations = list(group[first : first + num_blocks])
+        if len(destinations) != num_blocks or any(b is None for b in destinations):
+            # vLLM counts these tokens as external already: the worker reports the
+            # real destinations as failed so vLLM recomputes them.
+            logger.error(
+                "Xavier: request %s has no destination for every loaded block "
+                "(%s); recomputing",
+                req_id,
+                destinations,
+            )
+            self._release_soon(reservation.holder, grant.lease_id)
+            failed = tuple(b for b in destinations if b is not None)
+            self._new_loads.append(RequestLoad(req_id, None, failed))
+            return
+        load = LoadRequest(
+            load_id=grant.lease_id,
+            grant=grant,
+            holder_address=reservation.holder.address,
+            dst_block_ids=tuple(int(b) for b in destinations if b is not None),
+        )
+        # From here on the lease belongs to the load: the transfer actor releases
+        # it when the load ends (or is cancelled), never while writes are running.
+        self._new_loads.append(RequestLoad(req_id, load))
+        state.loaded_blocks = num_blocks
+        state.holder_rank = grant.holder_rank
+        state.staged_upto = max(state.staged_upto, first + num_blocks)
+
+    # ---- per step ---------------------------------------------------------------
+
+    def build_step(self, scheduled: Sequence[ScheduledRequest]) -> StepMetadata:
+        """Loads to start and blocks to stage this step; resets the step state."""
+        block_size = self._settings.block_size
+        stage: list[StageItem] = []
+        for item in scheduled:
+            state = self._requests.get(item.req_id)
+            if state is None:
+                continue
+            done_tokens = min(
+                item.num_computed_tokens + item.num_scheduled_tokens,
+                state.num_prompt_tokens,
+            )
+            full = min(done_tokens // block_size, len(state.prompt_keys))
+            for index in range(state.staged_upto, full):
+                block_id = (
+                    item.block_ids[index] if index < len(item.block_ids) else None
+                )
+                if block_id is not None:
+                    stage.append(StageItem(state.prompt_keys[index], block_id))
+            state.staged_upto = max(state.staged_upto, full)
+        loads, self._new_loads = tuple(self._new_loads), []
+        self.stats["staged_blocks"] += len(stage)
+        return StepMetadata(
+            loads=loads, stage=tuple(stage), load_async=self._settings.load_async
+        )
+
+    # ---- end of a request -------------------------------------------------------
+
+    def request_finished(self, req_id: str) -> dict[str, Any] | None:
+        """Forget ``req_id``; returns what it loaded, for the request's output."""
+        state = self._requests.pop(req_id, None)
+        if state is None:
+            return None
+        self._drop_reservation(state)
+        if not state.loaded_blocks:
+            return None
+        return {
+            "xavier_external_tokens": state.loaded_blocks * self._settings.block_size,
+            "xavier_holder_rank": state.holder_rank,
+        }
+
+    def close(self) -> None:
+        """Release every standing reservation (waits at most one RPC deadline)."""
+        for state in self._requests.values():
+            self._drop_reservation(state)
+        self._requests.clear()
+        self.flush(self._settings.rpc_timeout_s)
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _state_for(self, req_id: str, prompt_token_ids: Sequence[int]) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            keys = hash_full_blocks(
+                list(prompt_token_ids),
+                self._settings.block_size,
+                self._settings.namespace,
+            )
+            state = _RequestState(keys, len(prompt_token_ids))
+            self._requests[req_id] = state
+        return state
+
+    def _drop_reservation(self, state: _RequestState) -> None:
+        reservation, state.reservation = state.reservation, None
+        if reservation is not None:
+            self._release_soon(reservation.holder, reservation.grant.lease_id)
+
+    def _release_soon(self, holder: PrefixHit, lease_id: str) -> None:
+        """Release a lease without waiting: the scheduler must not stall on it."""
+
+        async def release() -> None:
+            try:
+                await with_deadline(
+                    self._release(holder, lease_id), self._settings.rpc_timeout_s
+                )
+            except Exception as exc:  # the holder's lease expires with it
+                logger.warning(
+                    "Xavier: releasing lease %s on %s failed: %s",
+                    lease_id,
+                    holder.address,
+                    exc,
+                )
+
+        self._releases = [f for f in self._releases if not f.done()]
+        self._releases.append(self._loop.submit(release()))
+
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for the releases sent so far to finish."""
+        pending, self._releases = self._releases, []
+        concurrent.futures.wait(pending, timeout)
+
+
+def _leading_match(granted: Sequence[BlockHash], wanted: Sequence[BlockHash]) -> int:
+    count = 0
+    for got, want in zip(granted, wanted, strict=False):
+        if got != want:
+            break
+        count += 1
+    return count
+
+
+def _truncate(grant: LeaseGrant, num_blocks: int) -> LeaseGrant:
+    if num_blocks == len(grant.keys):
+        return grant
+    return replace(
+        grant,
+        keys=grant.keys[:num_blocks],
+        tiers=grant.tiers[:num_blocks],
+        logical_dtypes=grant.logical_dtypes[:num_blocks],
+    )
