@@ -1,0 +1,94 @@
+"""The REST launch endpoint refuses invalid options before starting anything."""
+
+import httpx
+import pytest
+
+from xinference.client import Client, XinferenceError
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "some-model"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.endpoint, timeout=30) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(replica=1, enable_xavier=True), "it needs replica >= 2, got 1"),
+        (
+            dict(replica=2, enable_xavier=True, model_engine="transformers"),
+            "Xavier works with the vLLM engine only, got model_engine 'transformers'",
+        ),
+        (
+            dict(replica=2, enable_xavier=True, xavier_gpu_cache_bytes=-1),
+            "size must be non-negative, got -1",
+        ),
+        (
+            dict(replica=2, enable_xavier=True, xavier_gpu_cache_bytes="256 MiBs"),
+            "malformed size '256 MiBs'",
+        ),
+        (
+            dict(replica=2, enable_xavier=True, tensor_parallel_size=2),
+            "must be 1, got 2 and 1",
+        ),
+        (
+            dict(replica=2, enable_xavier=True, pipeline_parallel_size=2),
+            "must be 1, got 1 and 2",
+        ),
+        (
+            dict(replica=2, xavier_gpu_cache_bytes="1GiB"),
+            "xavier_gpu_cache_bytes is set but enable_xavier is not",
+        ),
+        (
+            dict(replica=2, router="cache-aware"),
+            "cache-aware router needs enable_xavier",
+        ),
+    ],
+)
+def test_invalid_launch_options_are_a_400(http, model_dir, options, message):
+    response = http.post("/v1/models", json=dict(model_path=model_dir, **options))
+    assert response.status_code == 400, response.text
+    assert message in response.json()["detail"]
+    assert http.get("/v1/models").json() == {"object": "list", "data": []}
+
+
+def test_misspelt_options_are_refused(http, model_dir):
+    response = http.post(
+        "/v1/models", json=dict(model_path=model_dir, enable_xavir=True)
+    )
+    assert response.status_code == 422
+    assert "enable_xavir" in response.text
+
+
+def test_the_python_client_raises_the_servers_reason(server, model_dir):
+    with Client(server.endpoint) as client:
+        with pytest.raises(XinferenceError, match="needs replica >= 2") as caught:
+            client.launch_model(model_path=model_dir, replica=1, enable_xavier=True)
+        assert caught.value.status_code == 400
+        with pytest.raises(XinferenceError, match="not launched") as caught:
+            client.terminate_model("ghost")
+        assert caught.value.status_code == 404
+
+
+def test_unknown_models_are_a_404(http):
+    assert http.get("/v1/models/ghost").status_code == 404
+    response = http.post(
+        "/v1/completions", json=dict(model="ghost", prompt="hi", max_tokens=2)
+    )
+    assert response.status_code == 404
+    assert "not launched" in response.json()["detail"]
+
+
+def test_metrics_without_models(http):
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "# TYPE xavier_remote_hits_total counter" in response.text

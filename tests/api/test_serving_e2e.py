@@ -1,0 +1,329 @@
+"""End to end: a real server, real vLLM CPU engines, the CLI, REST and HTTP serving.
+
+Two deployments of the tiny offline model, one after the other (never more than two
+engines alive):
+
+- Xavier on, launched with the CLI by registry name, terminated with the CLI;
+- Xavier off, launched with the REST API (Python client) by path, terminated with
+  the REST API.
+
+Both serve the same shared-prefix workload through the OpenAI-compatible API. Round
+robin sends each group's second request to the replica that has not seen the
+prefix: with Xavier it must load the prefix from the first replica (metrics show
+remote hits), and every output must equal the Xavier-off run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from xinference.client import Client
+from xinference.core.registry import resolve_model
+from xinference.deploy.cmdline import cli
+from xinference.deploy.demo import Workload
+
+from ..deploy.local_server import LocalServer, wait_for_no_descendants
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL_NAME = "tiny-qwen2"
+GPU_CACHE = "64MiB"
+# float32: in bf16, vLLM's CPU outputs change with the mere presence of a KV connector
+# (see xinference/deploy/demo.py), which would hide what this test checks.
+DTYPE = "float32"
+ENGINE_OPTIONS = [
+    "--block-size",
+    "32",
+    "--max-model-len",
+    "2048",
+    "--enforce-eager",
+    "--dtype",
+    DTYPE,
+]
+WORKLOAD = Workload(groups=3, per_group=2, max_tokens=16)
+PREFIX_BLOCKS = 8  # each group's prefix covers at least this many 32-token blocks
+CHAT = [{"role": "user", "content": "name three syllables " * 12}]
+EXIT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Run:
+    """What one deployment did, gathered while it was up."""
+
+    launch_output: str = ""
+    deployment: dict[str, Any] = field(default_factory=dict)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    listed: Any = None
+    texts: list[str] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    stream_text: str = ""
+    chat_text: str = ""
+    prefix_lookups: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(
+        default_factory=dict
+    )
+    terminate_output: Any = None
+    launched_processes: set[int] = field(default_factory=set)
+    leftovers: set[int] = field(default_factory=set)
+
+
+def serve_workload(server: LocalServer, uid: str, run: Run, *, xavier: bool) -> None:
+    with httpx.Client(base_url=server.endpoint, timeout=120) as http:
+        for prompt in WORKLOAD.prompts():
+            response = http.post(
+                "/v1/completions",
+                json=dict(
+                    model=uid,
+                    prompt=prompt,
+                    max_tokens=WORKLOAD.max_tokens,
+                    temperature=0,
+                ),
+            )
+            assert response.status_code == 200, response.text
+            body = response.json()
+            run.texts.append(body["choices"][0]["text"])
+            run.replicas.append(int(response.headers["x-xinference-replica"]))
+            run.cached_tokens.append(
+                body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            )
+        with http.stream(
+            "POST",
+            "/v1/completions",
+            json=dict(
+                model=uid,
+                prompt=WORKLOAD.prompts()[0],
+                max_tokens=WORKLOAD.max_tokens,
+                temperature=0,
+                stream=True,
+            ),
+        ) as response:
+            assert response.status_code == 200
+            events = [
+                json.loads(line[5:])
+                for line in response.iter_lines()
+                if line.startswith("data:") and not line.endswith("[DONE]")
+            ]
+        run.stream_text = "".join(c["text"] for e in events for c in e["choices"])
+        assert events[-1]["usage"]["completion_tokens"] == WORKLOAD.max_tokens
+        response = http.post(
+            "/v1/chat/completions",
+            json=dict(model=uid, messages=CHAT, max_tokens=8, temperature=0),
+        )
+        assert response.status_code == 200, response.text
+        run.chat_text = response.json()["choices"][0]["message"]["content"]
+        if xavier:
+            for prompt in WORKLOAD.prompts()[:: WORKLOAD.per_group]:
+                response = http.post(
+                    f"/v1/models/{uid}/prefix", json={"prompt": prompt}
+                )
+                assert response.status_code == 200, response.text
+                run.prefix_lookups.append(response.json())
+        for family in text_string_to_metric_families(http.get("/metrics").text):
+            for sample in family.samples:
+                labels = tuple(sorted(sample.labels.items()))
+                run.metrics[(sample.name, labels)] = sample.value
+
+
+def metric(run: Run, name: str, rank: int, **labels: str) -> float:
+    """Sum of ``name`` over the samples of ``rank`` that carry ``labels``."""
+    total = 0.0
+    for (sample, sample_labels), value in run.metrics.items():
+        found = dict(sample_labels)
+        if sample == name and found.get("rank") == str(rank):
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += value
+    return total
+
+
+@pytest.fixture(scope="module")
+def xavier_run(server: LocalServer) -> Run:
+    """Xavier on: CLI launch by registry name, workload, CLI terminate."""
+    run = Run()
+    baseline = server.descendants()
+    runner = CliRunner()
+    invoke = [
+        "--endpoint",
+        server.endpoint,
+        "launch",
+        "--model-name",
+        MODEL_NAME,
+        "--replica",
+        "2",
+        "--enable-xavier",
+        "--xavier-gpu-cache-bytes",
+        GPU_CACHE,
+        *ENGINE_OPTIONS,
+    ]
+    result = runner.invoke(cli, invoke)
+    run.launch_output = result.output
+    assert result.exit_code == 0, f"{result.output}\n{server.tail()}"
+    try:
+        with Client(server.endpoint) as client:
+            run.deployment = client.describe_model(MODEL_NAME)
+            run.reports = client.replica_reports(MODEL_NAME)
+        run.launched_processes = server.descendants() - baseline
+        run.listed = runner.invoke(cli, ["--endpoint", server.endpoint, "list"]).output
+        serve_workload(server, MODEL_NAME, run, xavier=True)
+    finally:
+        run.terminate_output = runner.invoke(
+            cli, ["--endpoint", server.endpoint, "terminate", "--model-uid", MODEL_NAME]
+        )
+    run.leftovers = wait_for_no_descendants(server, baseline, EXIT_TIMEOUT_S)
+    return run
+
+
+@pytest.fixture(scope="module")
+def plain_run(server: LocalServer) -> Run:
+    """Xavier off: REST launch by path, workload, REST terminate. (Module fixtures
+    run one after the other: the Xavier deployment is gone by now.)"""
+    run = Run()
+    baseline = server.descendants()
+    model_path = str(resolve_model(MODEL_NAME, server.workdir))
+    with Client(server.endpoint) as client:
+        run.deployment = client.launch_model_detailed(
+            model_path=model_path,
+            replica=2,
+            block_size=32,
+            max_model_len=2048,
+            enforce_eager=True,
+            dtype=DTYPE,
+        )
+        uid = run.deployment["model_uid"]
+        try:
+            run.reports = client.replica_reports(uid)
+            run.launched_processes = server.descendants() - baseline
+            run.listed = client.list_models()
+            serve_workload(server, uid, run, xavier=False)
+        finally:
+            run.terminate_output = client.terminate_model(uid)
+    run.leftovers = wait_for_no_descendants(server, baseline, EXIT_TIMEOUT_S)
+    return run
+
+
+# ---- Xavier on: launch through the CLI ---------------------------------------------
+
+
+def test_cli_launch_states_the_xavier_settings(xavier_run: Run) -> None:
+    # progress while the engines load, then the uid and the Xavier line
+    assert "loading 2 engine(s)" in xavier_run.launch_output
+    assert f"Model uid: {MODEL_NAME}" in xavier_run.launch_output
+    assert (
+        "Xavier: on, GPU-first, device budget 67108864 bytes, transport xoscar"
+        in xavier_run.launch_output
+    )
+    assert "replica 0: nixl://" in xavier_run.launch_output
+    assert "replica 1: nixl://" in xavier_run.launch_output
+    assert "Xavier: on" in xavier_run.listed and "2/2" in xavier_run.listed
+
+
+def test_options_arrive_in_each_replica_process(
+    xavier_run: Run, server: LocalServer
+) -> None:
+    """Asked of each replica's own process: what its engine's connector config
+    carries, and the environment it runs with."""
+    replicas = {r["rank"]: r for r in xavier_run.deployment["replicas"]}
+    expected_tls = os.environ.get("UCX_TLS") or "tcp,cuda_copy,cuda_ipc"
+    assert [r["rank"] for r in xavier_run.reports] == [0, 1]
+    for report in xavier_run.reports:
+        rank = report["rank"]
+        # a process of its own, started by the server for this deployment
+        assert report["pid"] != server.pid
+        assert report["pid"] in xavier_run.launched_processes
+        assert report["xavier"] == {
+            "enabled": True,
+            "gpu_cache_bytes": 64 * 1024 * 1024,
+            "transport": "xoscar",
+            "model_uid": MODEL_NAME,
+            "rank": rank,
+            "tracker_address": report["xavier"]["tracker_address"],
+            "tracker_uid": f"xavier-block-tracker-{MODEL_NAME}",
+            "transfer_address": replicas[rank]["address"],
+            "transfer_uid": f"xavier-transfer-{MODEL_NAME}-{rank}",
+            "rpc_timeout_s": 10.0,
+        }
+        assert report["xavier"]["transfer_address"].startswith("nixl://")
+        assert report["kv_connector"] == "XavierConnector"
+        assert (
+            report["kv_connector_module_path"]
+            == "xinference.model.llm.vllm.xavier.v1_connector"
+        )
+        assert report["disable_hybrid_kv_cache_manager"] is True
+        assert report["env"]["UCX_MEMTYPE_CACHE"] == "n"
+        assert report["env"]["UCX_TLS"] == expected_tls
+        assert report["transfer_actor_alive"] is True
+        assert report["block_size"] == 32
+    assert xavier_run.reports[0]["pid"] != xavier_run.reports[1]["pid"]
+
+
+def test_second_replica_serves_the_shared_prefix_from_the_first(
+    xavier_run: Run,
+) -> None:
+    # round robin: each group's first request on replica 0, second on replica 1
+    assert xavier_run.replicas == [0, 1] * WORKLOAD.groups
+    second = xavier_run.cached_tokens[1 :: WORKLOAD.per_group]
+    assert all(tokens >= PREFIX_BLOCKS * 32 for tokens in second), second
+    hits = metric(xavier_run, "xavier_remote_hits_total", 1)
+    assert hits >= PREFIX_BLOCKS * WORKLOAD.groups
+    assert metric(xavier_run, "xavier_external_tokens_loaded_total", 1) == hits * 32
+    assert metric(xavier_run, "xavier_load_errors_total", 1) == 0
+    # replica 0 computed every prefix itself
+    assert metric(xavier_run, "xavier_remote_hits_total", 0) == 0
+    assert metric(xavier_run, "xavier_useful_bytes_total", 0) > 0
+
+
+def test_router_keys_match_what_the_replicas_registered(xavier_run: Run) -> None:
+    """The front end hashes prompts the way the connector does: the tracker knows
+    every group's prefix under the keys the cache-aware router would look up."""
+    for lookup in xavier_run.prefix_lookups:
+        assert lookup["holder"] in (0, 1)
+        assert lookup["prefix_blocks"] >= PREFIX_BLOCKS
+
+
+def test_cli_terminate_prints_counters_and_leaves_no_process(xavier_run: Run) -> None:
+    result = xavier_run.terminate_output
+    assert result.exit_code == 0, result.output
+    assert f"Terminated {MODEL_NAME}" in result.output
+    assert "replica 0 Xavier counters:" in result.output
+    assert "replica 1 Xavier counters:" in result.output
+    assert len(xavier_run.launched_processes) >= 2  # sub-pools and their engines
+    assert xavier_run.leftovers == set()
+
+
+# ---- Xavier off: launch through REST -----------------------------------------------
+
+
+def test_rest_launch_serves_without_xavier(plain_run: Run) -> None:
+    assert plain_run.deployment["xavier"] == "Xavier: off"
+    assert [m["id"] for m in plain_run.listed] == [MODEL_NAME]
+    assert plain_run.listed[0]["status"] == "ready"
+    for report in plain_run.reports:
+        assert report["xavier"] is None
+        assert report["kv_connector"] is None
+        assert report["pid"] in plain_run.launched_processes
+    assert plain_run.replicas == [0, 1] * WORKLOAD.groups
+    # without Xavier the second replica computes the prefix itself
+    assert plain_run.cached_tokens[1 :: WORKLOAD.per_group] == [0] * WORKLOAD.groups
+
+
+def test_rest_terminate_leaves_no_process(plain_run: Run) -> None:
+    assert plain_run.terminate_output == {
+        "model_uid": MODEL_NAME,
+        "xavier_counters": {},
+    }
+    assert plain_run.leftovers == set()
+
+
+def test_outputs_equal_with_and_without_xavier(xavier_run: Run, plain_run: Run) -> None:
+    assert xavier_run.texts == plain_run.texts
+    assert all(xavier_run.texts)
+    assert xavier_run.stream_text == plain_run.stream_text == xavier_run.texts[0]
+    assert xavier_run.chat_text == plain_run.chat_text

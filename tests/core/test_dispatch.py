@@ -1,0 +1,167 @@
+"""The dispatcher against a real block tracker and test-double replicas.
+
+The replicas here are small actors with the model actor's serving methods (no
+engine); the tracker is the real ``BlockTrackerActor`` in an in-process pool, and
+the keys are hashed the way the connector registers them.
+"""
+
+import pytest
+import xoscar as xo
+
+from xinference.core.dispatch import ReplicaDispatcher
+from xinference.core.messages import (
+    DeploymentInfo,
+    GenerationChunk,
+    GenerationRequest,
+    ReplicaInfo,
+    StreamBatch,
+)
+from xinference.core.options import RouterSettings
+from xinference.core.prompting import PromptRenderer
+from xinference.core.router import CacheAwareRouter, RoundRobinRouter
+from xinference.model.llm.vllm.xavier.block_tracker import BlockTrackerActor
+from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
+
+NAMESPACE = "m|bfloat16|4"
+BLOCK = 4
+
+
+class ScriptedReplica(xo.StatelessActor):
+    """Answers with its rank; streams three chunks, recording closes."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+        self.closed = []
+        self._streams = {}
+
+    async def generate(self, request):
+        return GenerationChunk(
+            text=f"r{self.rank}", token_ids=(1,), finish_reason="stop"
+        )
+
+    async def open_stream(self, request):
+        self._streams[request.request_id] = [
+            GenerationChunk(text=f"r{self.rank}-{i}", token_ids=(i,)) for i in range(3)
+        ]
+
+    async def next_chunks(self, request_id, max_wait_s):
+        chunks = self._streams[request_id]
+        if not chunks:
+            return StreamBatch(chunks=(), done=True)
+        return StreamBatch(chunks=(chunks.pop(0),), done=False)
+
+    async def close_stream(self, request_id):
+        self.closed.append(request_id)
+
+    async def closed_streams(self):
+        return list(self.closed)
+
+
+@pytest.fixture
+async def pool():
+    pool = await xo.create_actor_pool("127.0.0.1", n_process=0)
+    try:
+        yield pool
+    finally:
+        await pool.stop()
+
+
+async def make(pool, router, num_replicas=2):
+    address = pool.external_address
+    tracker = await xo.create_actor(BlockTrackerActor, address=address, uid="tracker")
+    replicas = [
+        await xo.create_actor(
+            ScriptedReplica, rank, address=address, uid=f"replica-{rank}"
+        )
+        for rank in range(num_replicas)
+    ]
+    for rank in range(num_replicas):
+        await tracker.register_replica(rank, address)
+    deployment = DeploymentInfo(
+        model_uid="m",
+        model_path="/nowhere",
+        model_engine="vllm",
+        replicas=tuple(
+            ReplicaInfo(rank, address, f"replica-{rank}", 0, 100, BLOCK, 0.0)
+            for rank in range(num_replicas)
+        ),
+        router=RouterSettings("cache-aware"),
+        xavier_enabled=True,
+        xavier_description="Xavier: on",
+        tracker_address=address,
+        tracker_uid="tracker",
+        hash_namespace=NAMESPACE,
+    )
+    # routing needs no tokenizer: the tests pass token ids
+    renderer = PromptRenderer(tokenizer=None)
+    dispatcher = ReplicaDispatcher(deployment, renderer, replicas, tracker, router)
+    return dispatcher, tracker, replicas
+
+
+def request(prompt):
+    return GenerationRequest(
+        request_id=f"req-{len(prompt)}", prompt_token_ids=tuple(prompt)
+    )
+
+
+async def test_cache_aware_routes_to_the_replica_holding_the_prefix(pool):
+    dispatcher, tracker, _ = await make(pool, CacheAwareRouter(busy_margin=1))
+    prompt = list(range(1, 18))  # 4 full blocks before the last token
+    keys = hash_full_blocks(prompt[:-1], BLOCK, NAMESPACE)
+    await tracker.register_blocks(1, keys[:3])
+
+    assert await dispatcher.longest_prefix(prompt) == (1, 3)
+    route = await dispatcher.route(prompt)
+    assert (route.rank, route.holder, route.prefix_blocks) == (1, 1, 3)
+    chunk = await dispatcher.generate(route, request(prompt))
+    assert chunk.text == "r1"
+    assert dispatcher.counters[1].routed_to_holder == 1
+
+
+async def test_a_busy_holder_is_skipped(pool):
+    dispatcher, tracker, _ = await make(pool, CacheAwareRouter(busy_margin=1))
+    prompt = list(range(1, 18))
+    await tracker.register_blocks(1, hash_full_blocks(prompt[:-1], BLOCK, NAMESPACE))
+    dispatcher._in_flight[1] = 2  # two requests running there, none on replica 0
+    route = await dispatcher.route(prompt)
+    assert route.rank == 0 and route.holder == 1
+    assert dispatcher.counters[1].holder_too_busy == 1
+
+
+async def test_keys_of_another_namespace_are_not_matched(pool):
+    dispatcher, tracker, _ = await make(pool, CacheAwareRouter())
+    prompt = list(range(1, 18))
+    await tracker.register_blocks(1, hash_full_blocks(prompt[:-1], BLOCK, "other|x|4"))
+    assert await dispatcher.longest_prefix(prompt) == (None, 0)
+
+
+async def test_a_dead_tracker_routes_without_cache_knowledge(pool):
+    dispatcher, tracker, _ = await make(pool, CacheAwareRouter())
+    await xo.destroy_actor(tracker)
+    route = await dispatcher.route(list(range(1, 18)))
+    assert route.holder is None and route.rank in (0, 1)
+    assert dispatcher.tracker_errors == 1
+
+
+async def test_streams_are_relayed_and_counted_in_flight(pool):
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter())
+    route = await dispatcher.route([1, 2, 3])
+    seen = []
+    async for chunk in dispatcher.stream(route, request([1, 2, 3])):
+        seen.append(chunk.text)
+        assert dispatcher.in_flight[route.rank] == 1
+    assert seen == ["r0-0", "r0-1", "r0-2"]
+    assert dispatcher.in_flight == (0, 0)
+    assert await replicas[0].closed_streams() == []  # finished: nothing to abort
+
+
+async def test_a_stream_left_early_is_aborted_on_the_replica(pool):
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter())
+    route = await dispatcher.route([1, 2, 3])
+    stream = dispatcher.stream(route, request([1, 2, 3]))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    assert await replicas[0].closed_streams() == ["req-3"]
+    assert dispatcher.in_flight == (0, 0)

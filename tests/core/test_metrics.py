@@ -1,0 +1,105 @@
+"""Prometheus rendering from literal counters."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from xinference.core.dispatch import RouteCounters
+from xinference.core.messages import ReplicaStats, format_counters
+from xinference.core.metrics import ReplicaSample, lookup, render
+
+XAVIER_STATS = {
+    "store": {
+        "device_hits": 3,
+        "cpu_hits": 1,
+        "demotions": 2,
+        "skips": 1,
+        "drops": 0,
+        "published": 9,
+        "device_snapshots": 4,
+        "cpu_snapshots": 5,
+        "device_bytes": 4096,
+        "cpu_bytes": 5120,
+    },
+    "transport": {
+        "wire_bytes": 1000,
+        "useful_bytes": 600,
+        "received_wire_bytes": 10,
+        "received_useful_bytes": 6,
+        "registration_changes": 2,
+    },
+    "actor": {
+        "device_tier_blocks_loaded": 7,
+        "cpu_tier_blocks_loaded": 2,
+        "loads_ok": 3,
+        "loads_failed": 1,
+    },
+    "in_flight_loads": 0,
+    "closed": False,
+}
+
+
+def stats(rank, xavier=None):
+    return ReplicaStats(
+        model_uid="m",
+        rank=rank,
+        block_size=32,
+        requests_total=5 + rank,
+        requests_in_flight=rank,
+        prompt_tokens_total=100,
+        cached_prompt_tokens_total=64,
+        generated_tokens_total=40,
+        xavier=xavier,
+    )
+
+
+def scrape(samples):
+    values = {}
+    for family in text_string_to_metric_families(render(samples).decode()):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            values[key] = sample.value
+    return values
+
+
+def test_per_replica_xavier_series():
+    values = scrape(
+        [
+            ReplicaSample(stats(0, XAVIER_STATS), RouteCounters(routed=4)),
+            ReplicaSample(stats(1, None), RouteCounters(routed=2, routed_to_holder=1)),
+        ]
+    )
+    r0 = (("model_uid", "m"), ("rank", "0"))
+
+    def get(name, *extra):
+        return values[(name, tuple(sorted(r0 + extra)))]
+
+    assert get("xavier_remote_hits_total", ("tier", "device")) == 7
+    assert get("xavier_remote_hits_total", ("tier", "cpu")) == 2
+    assert get("xavier_external_tokens_loaded_total") == (7 + 2) * 32
+    assert get("xavier_served_snapshots_total", ("tier", "device")) == 3
+    assert get("xavier_wire_bytes_total") == 1000
+    assert get("xavier_useful_bytes_total") == 600
+    assert get("xavier_registration_changes_total") == 2
+    assert get("xavier_demotions_total") == 2
+    assert get("xavier_skips_total") == 1
+    assert get("xavier_load_errors_total") == 1
+    assert get("xavier_snapshots", ("tier", "cpu")) == 5
+    assert get("xinference_requests_total") == 5
+    assert get("xinference_routed_requests_total") == 4
+    # replica 1 has Xavier off: serving series only
+    r1 = (("model_uid", "m"), ("rank", "1"))
+    assert values[("xinference_requests_in_flight", r1)] == 1
+    assert values[("xinference_routed_to_prefix_holder_total", r1)] == 1
+    assert not any(
+        name.startswith("xavier_") and labels == r1 for name, labels in values
+    )
+
+
+def test_no_replicas_renders_only_metadata():
+    assert scrape([]) == {}
+
+
+def test_lookup_and_format_counters():
+    assert lookup(XAVIER_STATS, "transport.wire_bytes") == 1000
+    assert lookup(XAVIER_STATS, "transport.missing") is None
+    assert lookup(XAVIER_STATS, "closed") is None  # booleans are not numbers
+    assert format_counters({"a": {"b": 1}, "c": 2}) == "a.b=1, c=2"

@@ -1,0 +1,57 @@
+"""Replica placement and the environment each replica's sub-pool starts with."""
+
+import pytest
+
+from xinference.core.placement import (
+    DEFAULT_UCX_TLS,
+    plan_replicas,
+    replica_environment,
+)
+
+
+def test_xavier_replicas_get_nixl_pools_and_the_ucx_environment():
+    plan = plan_replicas(2, gpus=(), xavier=True, user_env={})
+    assert [p.rank for p in plan] == [0, 1]
+    for placement in plan:
+        assert placement.address_scheme == "nixl"
+        assert placement.gpu is None
+        assert placement.env_dict() == {
+            "UCX_MEMTYPE_CACHE": "n",
+            "UCX_TLS": DEFAULT_UCX_TLS,
+        }
+    assert DEFAULT_UCX_TLS == "tcp,cuda_copy,cuda_ipc"
+
+
+def test_a_user_ucx_tls_is_kept():
+    env = replica_environment(
+        xavier=True, gpu=None, user_env={"UCX_TLS": "rc,cuda_copy"}
+    )
+    assert env["UCX_TLS"] == "rc,cuda_copy"
+    assert env["UCX_MEMTYPE_CACHE"] == "n"
+
+
+def test_plain_replicas_get_plain_pools_and_no_ucx_settings():
+    (placement,) = plan_replicas(1, gpus=(), xavier=False, user_env={})
+    assert placement.address_scheme is None
+    assert placement.env_dict() == {}
+
+
+def test_replicas_spread_over_gpus_round_robin():
+    plan = plan_replicas(3, gpus=("2", "5"), xavier=True, user_env={})
+    assert [p.gpu for p in plan] == ["2", "5", "2"]
+    assert [p.env_dict()["CUDA_VISIBLE_DEVICES"] for p in plan] == ["2", "5", "2"]
+
+
+def test_at_least_one_replica():
+    with pytest.raises(ValueError, match="num_replicas"):
+        plan_replicas(0, gpus=(), xavier=False, user_env={})
+
+
+def test_replicas_sharing_a_gpu_split_its_memory_and_load_one_by_one():
+    plan = plan_replicas(2, gpus=("0",), xavier=True, user_env={})
+    assert [p.gpu for p in plan] == ["0", "0"]
+    assert all(p.shares_gpu for p in plan)
+    assert [p.gpu_memory_utilization for p in plan] == [0.4, 0.4]
+    alone = plan_replicas(2, gpus=("0", "1"), xavier=True, user_env={})
+    assert not any(p.shares_gpu for p in alone)
+    assert [p.gpu_memory_utilization for p in alone] == [None, None]

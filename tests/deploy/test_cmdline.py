@@ -1,0 +1,79 @@
+"""The command line against a real server: validation errors, list, unknown models.
+
+Launching real engines through the CLI is in ``tests/api/test_serving_e2e.py``.
+"""
+
+import pytest
+from click.testing import CliRunner
+
+from xinference.deploy.cmdline import cli
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "some-model"
+    path.mkdir()
+    return str(path)
+
+
+def run_cli(server, *args):
+    return CliRunner().invoke(cli, ["--endpoint", server.endpoint, *args])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--replica", "1", "--enable-xavier"], "it needs replica >= 2, got 1"),
+        (
+            ["--replica", "2", "--enable-xavier", "--model-engine", "sglang"],
+            "Xavier works with the vLLM engine only, got model_engine 'sglang'",
+        ),
+        (
+            ["--replica", "2", "--enable-xavier", "--xavier-gpu-cache-bytes", "-1"],
+            "malformed size '-1'",
+        ),
+        (
+            [
+                "--replica",
+                "2",
+                "--enable-xavier",
+                "--xavier-gpu-cache-bytes",
+                "12 parsecs",
+            ],
+            "malformed size '12 parsecs'",
+        ),
+        (
+            ["--replica", "2", "--enable-xavier", "--tensor-parallel-size", "2"],
+            "tensor_parallel_size and pipeline_parallel_size must be 1, got 2 and 1",
+        ),
+        (
+            ["--replica", "2", "--enable-xavier", "--pipeline-parallel-size", "4"],
+            "must be 1, got 1 and 4",
+        ),
+    ],
+)
+def test_launch_validation_errors(server, model_dir, options, message):
+    result = run_cli(server, "launch", "--model-path", model_dir, *options)
+    assert result.exit_code == 1, result.output
+    assert "Error:" in result.output and message in result.output
+    # nothing was started: the model is not listed
+    assert "no models" in run_cli(server, "list").output
+
+
+def test_unknown_model_name(server):
+    result = run_cli(server, "launch", "--model-name", "no-such-model")
+    assert result.exit_code == 1
+    assert "unknown model_name 'no-such-model'; known:" in result.output
+    assert "tiny-qwen2" in result.output
+
+
+def test_terminate_an_unknown_model(server):
+    result = run_cli(server, "terminate", "--model-uid", "ghost")
+    assert result.exit_code == 1
+    assert "model 'ghost' is not launched" in result.output
+
+
+def test_an_unreachable_endpoint_is_reported():
+    result = CliRunner().invoke(cli, ["--endpoint", "http://127.0.0.1:1", "list"])
+    assert result.exit_code == 1
+    assert "cannot reach http://127.0.0.1:1" in result.output

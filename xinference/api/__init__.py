@@ -1,0 +1,1 @@
+"""The REST API (model management, OpenAI-compatible serving, Prometheus metrics)."""

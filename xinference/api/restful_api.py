@@ -1,0 +1,381 @@
+"""The REST API: model management plus OpenAI-compatible serving and /metrics.
+
+    POST   /v1/models                 launch (options as in ``LaunchRequest``)
+    GET    /v1/models                 OpenAI model list, with each model's state
+    GET    /v1/models/{uid}           one model: state, replicas, Xavier settings
+    GET    /v1/models/{uid}/progress  launch progress
+    GET    /v1/models/{uid}/replicas  each replica's own report (from its process)
+    POST   /v1/models/{uid}/prefix    who holds the longest cached prefix of a prompt
+    DELETE /v1/models/{uid}           terminate; returns the final Xavier counters
+    POST   /v1/completions            OpenAI completions, streamed (SSE) or not
+    POST   /v1/chat/completions       OpenAI chat completions, streamed (SSE) or not
+    GET    /metrics                   Prometheus text, per replica
+
+The app talks to the supervisor for management and to the replicas (through
+``ReplicaDispatcher``) for serving. A response served by a replica names it in the
+``X-Xinference-Replica`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import xoscar as xo
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..core.dispatch import ReplicaDispatcher, Route
+from ..core.messages import DeploymentInfo, GenerationChunk, GenerationRequest
+from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
+from ..core.options import LaunchOptionError
+from ..core.supervisor import SupervisorActor
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LaunchRequest,
+    PrefixRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "X-Xinference-Replica"
+
+
+class ModelHub:
+    """The front end's dispatchers, one per ready model, built on first use.
+
+    Every terminate goes through this API, which forgets the model's dispatcher;
+    a replica that vanished otherwise surfaces as ``ActorNotExist`` and the
+    dispatcher is dropped then.
+    """
+
+    def __init__(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
+        self._dispatchers: dict[str, ReplicaDispatcher] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, model_uid: str) -> ReplicaDispatcher:
+        dispatcher = self._dispatchers.get(model_uid)
+        if dispatcher is not None:
+            return dispatcher
+        async with self._locks.setdefault(model_uid, asyncio.Lock()):
+            dispatcher = self._dispatchers.get(model_uid)
+            if dispatcher is None:
+                deployment = await self.supervisor.describe_model(model_uid)
+                dispatcher = await ReplicaDispatcher.connect(deployment)
+                self._dispatchers[model_uid] = dispatcher
+        return dispatcher
+
+    def peek(self, model_uid: str) -> ReplicaDispatcher | None:
+        return self._dispatchers.get(model_uid)
+
+    def forget(self, model_uid: str) -> None:
+        self._dispatchers.pop(model_uid, None)
+
+
+def create_app(supervisor_address: str) -> FastAPI:
+    """The FastAPI app for the supervisor at ``supervisor_address``."""
+    app = FastAPI(title="Xinference", version="0.1.0")
+    hub_cell: list[ModelHub] = []
+
+    async def hub() -> ModelHub:
+        if not hub_cell:
+            supervisor = await xo.actor_ref(
+                address=supervisor_address, uid=SupervisorActor.default_uid()
+            )
+            hub_cell.append(ModelHub(supervisor))
+        return hub_cell[0]
+
+    @app.exception_handler(LaunchOptionError)
+    async def _bad_option(_: Request, error: LaunchOptionError) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=400)
+
+    @app.exception_handler(LookupError)
+    async def _not_found(_: Request, error: LookupError) -> JSONResponse:
+        return JSONResponse({"detail": _message(error)}, status_code=404)
+
+    @app.exception_handler(Exception)
+    async def _failed(_: Request, error: Exception) -> JSONResponse:
+        logger.error("request failed: %r", error)
+        return JSONResponse({"detail": _message(error)}, status_code=500)
+
+    @app.get("/status")
+    async def status() -> dict[str, Any]:
+        return {"ok": True}
+
+    # ---- management ---------------------------------------------------------------
+
+    @app.post("/v1/models")
+    async def launch(body: LaunchRequest) -> dict[str, Any]:
+        models = await hub()
+        deployment = await models.supervisor.launch_model(body.model_dump())
+        return _deployment_json(deployment)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        models = await hub()
+        progress = await models.supervisor.list_models()
+        ready = {d.model_uid: d for d in await models.supervisor.describe_models()}
+        data = []
+        for item in progress:
+            deployment = ready.get(item.model_uid)
+            entry: dict[str, Any] = {
+                "id": item.model_uid,
+                "object": "model",
+                "created": int(deployment.created) if deployment else 0,
+                "owned_by": "xinference",
+                "status": item.state,
+                "replica": item.replicas_total,
+                "replicas_ready": item.replicas_ready,
+            }
+            if deployment is not None:
+                entry["model_engine"] = deployment.model_engine
+                entry["xavier"] = deployment.xavier_description
+                entry["router"] = deployment.router.kind
+            data.append(entry)
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_uid}")
+    async def describe(model_uid: str) -> dict[str, Any]:
+        models = await hub()
+        return _deployment_json(await models.supervisor.describe_model(model_uid))
+
+    @app.get("/v1/models/{model_uid}/progress")
+    async def progress(model_uid: str) -> dict[str, Any]:
+        models = await hub()
+        return dataclasses.asdict(await models.supervisor.progress(model_uid))
+
+    @app.get("/v1/models/{model_uid}/replicas")
+    async def replicas(model_uid: str) -> list[dict[str, Any]]:
+        models = await hub()
+        reports = await models.supervisor.report_replicas(model_uid)
+        return [_report_json(report) for report in reports]
+
+    @app.post("/v1/models/{model_uid}/prefix")
+    async def prefix(model_uid: str, body: PrefixRequest) -> dict[str, Any]:
+        """Which replica holds the longest published prefix of a prompt (Xavier's
+        block tracker, as the cache-aware router sees it)."""
+        dispatcher = await (await hub()).get(model_uid)
+        if body.messages is not None:
+            messages = [message.model_dump() for message in body.messages]
+            token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
+        else:
+            token_ids = await asyncio.to_thread(
+                dispatcher.renderer.completion_ids, body.prompt or ""
+            )
+        holder, blocks = await dispatcher.longest_prefix(token_ids)
+        return {
+            "holder": holder,
+            "prefix_blocks": blocks,
+            "prefix_tokens": blocks * dispatcher.deployment.block_size,
+            "prompt_tokens": len(token_ids),
+        }
+
+    @app.delete("/v1/models/{model_uid}")
+    async def terminate(model_uid: str) -> dict[str, Any]:
+        models = await hub()
+        models.forget(model_uid)
+        counters = await models.supervisor.terminate_model(model_uid)
+        return {
+            "model_uid": model_uid,
+            "xavier_counters": {str(rank): stats for rank, stats in counters.items()},
+        }
+
+    # ---- serving ------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        dispatcher = await _dispatcher(await hub(), body.model, body.n)
+        # Tokenising a long prompt takes a while: not on the event loop.
+        token_ids = await asyncio.to_thread(
+            dispatcher.renderer.completion_ids, body.prompt
+        )
+        request = _generation_request("cmpl", token_ids, body, body.max_tokens or 16)
+        route = await dispatcher.route(token_ids)
+        headers = {REPLICA_HEADER: str(route.rank)}
+        created = int(time.time())
+
+        def chunk_json(chunk: GenerationChunk) -> dict[str, Any]:
+            return {
+                "id": request.request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": chunk.text,
+                        "logprobs": None,
+                        "finish_reason": chunk.finish_reason,
+                    }
+                ],
+            }
+
+        if body.stream:
+            return _sse(dispatcher, route, request, chunk_json, headers)
+        chunk = await _generate(dispatcher, route, request)
+        payload = chunk_json(chunk) | {"usage": _usage(chunk)}
+        return JSONResponse(payload, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        dispatcher = await _dispatcher(await hub(), body.model, body.n)
+        messages = [message.model_dump() for message in body.messages]
+        token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
+        request = _generation_request("chatcmpl", token_ids, body, body.token_budget())
+        route = await dispatcher.route(token_ids)
+        headers = {REPLICA_HEADER: str(route.rank)}
+        created = int(time.time())
+        first = [True]
+
+        def chunk_json(chunk: GenerationChunk) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": chunk.text}
+            if first[0]:
+                delta = {"role": "assistant"} | delta
+                first[0] = False
+            return {
+                "id": request.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "choices": [
+                    {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
+                ],
+            }
+
+        if body.stream:
+            return _sse(dispatcher, route, request, chunk_json, headers)
+        chunk = await _generate(dispatcher, route, request)
+        payload = {
+            "id": request.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": chunk.text},
+                    "finish_reason": chunk.finish_reason,
+                }
+            ],
+            "usage": _usage(chunk),
+        }
+        return JSONResponse(payload, headers=headers)
+
+    # ---- metrics ------------------------------------------------------------------
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        models = await hub()
+        samples: list[ReplicaSample] = []
+        for deployment in await models.supervisor.describe_models():
+            uid = deployment.model_uid
+            dispatcher = models.peek(uid)
+            for stats in await models.supervisor.collect_stats(uid):
+                routing = (
+                    None if dispatcher is None else dispatcher.counters[stats.rank]
+                )
+                samples.append(ReplicaSample(stats=stats, routing=routing))
+        return Response(render(samples), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _dispatcher(models: ModelHub, model_uid: str, n: int) -> ReplicaDispatcher:
+    if n != 1:
+        raise HTTPException(400, "only n=1 is supported")
+    return await models.get(model_uid)
+
+
+def _generation_request(
+    prefix: str, token_ids: list[int], body: Any, max_tokens: int
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt_token_ids=tuple(token_ids),
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+async def _generate(
+    dispatcher: ReplicaDispatcher, route: Route, request: GenerationRequest
+) -> GenerationChunk:
+    try:
+        return await dispatcher.generate(route, request)
+    except ValueError as error:  # vLLM's request validation (too long, ...)
+        raise HTTPException(400, _message(error)) from None
+
+
+def _sse(
+    dispatcher: ReplicaDispatcher,
+    route: Route,
+    request: GenerationRequest,
+    to_json: Callable[[GenerationChunk], dict[str, Any]],
+    headers: dict[str, str],
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        last: GenerationChunk | None = None
+        try:
+            async for chunk in dispatcher.stream(route, request):
+                last = chunk
+                yield f"data: {json.dumps(to_json(chunk))}\n\n"
+        except Exception as error:  # the status line is sent: report in-band
+            logger.exception("stream %s failed", request.request_id)
+            payload = {"error": {"message": _message(error), "type": "server_error"}}
+            yield f"data: {json.dumps(payload)}\n\n"
+            return
+        if last is not None:
+            final = to_json(dataclasses.replace(last, text="", token_ids=()))
+            final["choices"] = []
+            final["usage"] = _usage(last)
+            yield f"data: {json.dumps(final)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _usage(chunk: GenerationChunk) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens,
+        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+    }
+    if chunk.cached_prompt_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": chunk.cached_prompt_tokens}
+    return usage
+
+
+def _deployment_json(deployment: DeploymentInfo) -> dict[str, Any]:
+    return {
+        "model_uid": deployment.model_uid,
+        "model_path": deployment.model_path,
+        "model_engine": deployment.model_engine,
+        "xavier": deployment.xavier_description,
+        "xavier_enabled": deployment.xavier_enabled,
+        "router": dataclasses.asdict(deployment.router),
+        "replicas": [dataclasses.asdict(replica) for replica in deployment.replicas],
+    }
+
+
+def _report_json(report: Any) -> dict[str, Any]:
+    data = dataclasses.asdict(report)
+    # XavierReplicaSettings is slotted and nested: give it the connector's dict shape.
+    data["xavier"] = None if report.xavier is None else report.xavier.to_dict()
+    return data
+
+
+def _message(error: BaseException) -> str:
+    # KeyError/LookupError str() adds quotes; the first argument reads better.
+    return str(error.args[0]) if error.args else repr(error)

@@ -1,0 +1,170 @@
+"""A small synchronous Python client over the REST API.
+
+client = Client("http://127.0.0.1:9997")
+uid = client.launch_model(model_path="/models/qwen", replica=2,
+                          enable_xavier=True, xavier_gpu_cache_bytes="256MiB")
+model = client.get_model(uid)
+model.completions("The quick", max_tokens=8, temperature=0)
+for chunk in model.chat([{"role": "user", "content": "hi"}], stream=True): ...
+client.terminate_model(uid)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import httpx
+
+# Launching loads engines; on a CPU machine that takes minutes.
+LAUNCH_TIMEOUT_S = 1800.0
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class XinferenceError(RuntimeError):
+    """The server refused or failed a call; ``status_code`` and ``detail`` say why."""
+
+    def __init__(self, status_code: int, detail: str) -> None:
+        super().__init__(f"{status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+class Client:
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self._http = httpx.Client(base_url=self.endpoint, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ---- management ---------------------------------------------------------------
+
+    def launch_model(self, **options: Any) -> str:
+        """Launch a model (options as ``xinference launch``); its uid once ready."""
+        return str(self.launch_model_detailed(**options)["model_uid"])
+
+    def launch_model_detailed(self, **options: Any) -> dict[str, Any]:
+        """Launch and return the deployment description (replicas, Xavier line)."""
+        body = {key: value for key, value in options.items() if value is not None}
+        return self._call("POST", "/v1/models", json=body, timeout=LAUNCH_TIMEOUT_S)
+
+    def list_models(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/v1/models")["data"])
+
+    def describe_model(self, model_uid: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/models/{model_uid}")
+
+    def progress(self, model_uid: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/models/{model_uid}/progress")
+
+    def replica_reports(self, model_uid: str) -> list[dict[str, Any]]:
+        """What each replica process reports having received."""
+        return list(self._call("GET", f"/v1/models/{model_uid}/replicas"))
+
+    def prefix_holder(
+        self,
+        model_uid: str,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict[str, str]] | None = None,
+    ) -> dict[str, Any]:
+        """Which replica holds the longest cached prefix of a prompt (Xavier)."""
+        body: dict[str, Any] = {}
+        if prompt is not None:
+            body["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
+        if messages is not None:
+            body["messages"] = list(messages)
+        return self._call("POST", f"/v1/models/{model_uid}/prefix", json=body)
+
+    def terminate_model(self, model_uid: str) -> dict[str, Any]:
+        """Terminate; the final Xavier counters per replica rank."""
+        return self._call("DELETE", f"/v1/models/{model_uid}")
+
+    def metrics(self) -> str:
+        response = self._http.get("/metrics")
+        _raise_for(response)
+        return response.text
+
+    def get_model(self, model_uid: str) -> Model:
+        return Model(self, model_uid)
+
+    # ---- plumbing -----------------------------------------------------------------
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._http.request(method, path, **kwargs)
+        _raise_for(response)
+        return response.json()
+
+    def _stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        with self._http.stream("POST", path, json=body) as response:
+            if response.status_code >= 400:
+                response.read()
+                _raise_for(response)
+            yield from iter_sse(response.iter_lines())
+
+
+class Model:
+    """OpenAI-style calls on one launched model."""
+
+    def __init__(self, client: Client, model_uid: str) -> None:
+        self._client = client
+        self.model_uid = model_uid
+
+    def completions(
+        self, prompt: str | Sequence[int], *, stream: bool = False, **params: Any
+    ) -> Any:
+        body = {"model": self.model_uid, "prompt": prompt, "stream": stream, **params}
+        if isinstance(prompt, Sequence) and not isinstance(prompt, str):
+            body["prompt"] = list(prompt)
+        if stream:
+            return self._client._stream("/v1/completions", body)
+        return self._client._call("POST", "/v1/completions", json=body)
+
+    def chat(
+        self, messages: Sequence[dict[str, str]], *, stream: bool = False, **params: Any
+    ) -> Any:
+        body = {
+            "model": self.model_uid,
+            "messages": list(messages),
+            "stream": stream,
+            **params,
+        }
+        if stream:
+            return self._client._stream("/v1/chat/completions", body)
+        return self._client._call("POST", "/v1/chat/completions", json=body)
+
+
+def iter_sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """JSON payloads of a server-sent event stream, up to ``data: [DONE]``.
+
+    An in-band error event (the stream failed after it started) raises.
+    """
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        payload = json.loads(data)
+        if "error" in payload:
+            raise XinferenceError(500, payload["error"].get("message", "stream failed"))
+        yield payload
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    if not isinstance(detail, str):
+        detail = json.dumps(detail)
+    raise XinferenceError(response.status_code, detail)

@@ -1,0 +1,1 @@
+"""Serving core: supervisor, worker, replica model actors, routing and metrics."""

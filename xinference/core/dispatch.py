@@ -1,0 +1,196 @@
+"""Request dispatch over a model's replicas, in the front-end process.
+
+The dispatcher holds the deployment's prompt renderer (the front end tokenises once,
+before routing), asks the router for a replica (for the cache-aware router, after
+asking the block tracker who holds the longest prefix), counts the request in flight
+on that replica while it runs, and relays the replica's output. It talks to the replica model actors directly; the supervisor is
+not on the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xoscar as xo
+
+from ..model.llm.vllm.xavier.hashing import hash_full_blocks
+from .messages import DeploymentInfo, GenerationChunk, GenerationRequest
+from .prompting import PromptRenderer
+from .router import RouteFacts, Router, make_router
+
+logger = logging.getLogger(__name__)
+
+# Deadlines. A poll waits at most STREAM_POLL_S for new output; a whole request may
+# run for REQUEST_TIMEOUT_S; a tracker lookup taking longer than TRACKER_TIMEOUT_S
+# is routed without cache knowledge.
+STREAM_POLL_S = 0.5
+RPC_MARGIN_S = 10.0
+REQUEST_TIMEOUT_S = 600.0
+TRACKER_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The replica chosen for one request, and why."""
+
+    rank: int
+    holder: int | None  # longest-prefix holder per the tracker (cache-aware only)
+    prefix_blocks: int
+
+
+@dataclass(slots=True)
+class RouteCounters:
+    """Per-replica routing counters (mutable, owned by one dispatcher)."""
+
+    routed: int = 0
+    routed_to_holder: int = 0  # cache-aware: sent where the prefix already was
+    holder_too_busy: int = 0  # cache-aware: the holder was skipped for load
+
+
+class ReplicaDispatcher:
+    """Routes the requests of one deployment; one per model in the front end."""
+
+    def __init__(
+        self,
+        deployment: DeploymentInfo,
+        renderer: PromptRenderer,
+        replicas: Sequence[Any],
+        tracker: Any | None,
+        router: Router,
+    ) -> None:
+        self.deployment = deployment
+        self.renderer = renderer
+        self._replicas = list(replicas)  # rank -> model actor ref
+        self._tracker = tracker
+        self._router = router
+        self._in_flight = [0] * len(self._replicas)
+        self.counters = [RouteCounters() for _ in self._replicas]
+        self.tracker_errors = 0
+
+    @classmethod
+    async def connect(cls, deployment: DeploymentInfo) -> ReplicaDispatcher:
+        renderer = await asyncio.to_thread(PromptRenderer.load, deployment.model_path)
+        replicas = [
+            await xo.actor_ref(address=replica.address, uid=replica.actor_uid)
+            for replica in deployment.replicas
+        ]
+        tracker = None
+        if deployment.tracker_address and deployment.tracker_uid:
+            tracker = await xo.actor_ref(
+                address=deployment.tracker_address, uid=deployment.tracker_uid
+            )
+        router = make_router(deployment.router.kind, deployment.router.busy_margin)
+        return cls(deployment, renderer, replicas, tracker, router)
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        return tuple(self._in_flight)
+
+    async def route(self, prompt_token_ids: Sequence[int]) -> Route:
+        holder, blocks = None, 0
+        if self._router.needs_prefix:
+            holder, blocks = await self._longest_prefix(prompt_token_ids)
+        facts = RouteFacts(
+            in_flight=tuple(self._in_flight), holder=holder, prefix_blocks=blocks
+        )
+        rank = self._router.choose(facts)
+        counters = self.counters[rank]
+        counters.routed += 1
+        if holder is not None and blocks > 0:
+            if rank == holder:
+                counters.routed_to_holder += 1
+            else:
+                self.counters[holder].holder_too_busy += 1
+        return Route(rank=rank, holder=holder, prefix_blocks=blocks)
+
+    async def generate(
+        self, route: Route, request: GenerationRequest
+    ) -> GenerationChunk:
+        with self._counted(route.rank):
+            return await asyncio.wait_for(
+                self._replicas[route.rank].generate(request), REQUEST_TIMEOUT_S
+            )
+
+    async def stream(
+        self, route: Route, request: GenerationRequest
+    ) -> AsyncIterator[GenerationChunk]:
+        """Chunks as the replica produces them; closing the iterator aborts the
+        request on the replica."""
+        replica = self._replicas[route.rank]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REQUEST_TIMEOUT_S
+        with self._counted(route.rank):
+            await asyncio.wait_for(replica.open_stream(request), RPC_MARGIN_S)
+            done = False
+            try:
+                while not done:
+                    if loop.time() > deadline:
+                        raise TimeoutError(
+                            f"request {request.request_id} ran past "
+                            f"{REQUEST_TIMEOUT_S:.0f} s"
+                        )
+                    batch = await asyncio.wait_for(
+                        replica.next_chunks(request.request_id, STREAM_POLL_S),
+                        STREAM_POLL_S + RPC_MARGIN_S,
+                    )
+                    done = batch.done
+                    for chunk in batch.chunks:
+                        yield chunk
+            finally:
+                if not done:
+                    # Shielded: the consumer may be cancelled, the abort must go out.
+                    await asyncio.shield(
+                        self._close_stream(replica, request.request_id)
+                    )
+
+    async def _close_stream(self, replica: Any, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(replica.close_stream(request_id), RPC_MARGIN_S)
+        except (TimeoutError, xo.ActorNotExist, ConnectionError) as error:
+            logger.warning("could not abort stream %s: %r", request_id, error)
+
+    async def longest_prefix(
+        self, prompt_token_ids: Sequence[int]
+    ) -> tuple[int | None, int]:
+        """(replica holding the longest published prefix, its length in blocks),
+        per the block tracker; (None, 0) when nobody holds one or Xavier is off."""
+        return await self._longest_prefix(prompt_token_ids)
+
+    async def _longest_prefix(
+        self, prompt_token_ids: Sequence[int]
+    ) -> tuple[int | None, int]:
+        namespace = self.deployment.hash_namespace
+        if self._tracker is None or namespace is None:
+            return None, 0
+        # As the connector does: the last prompt token is always computed, so only
+        # the full blocks before it can come from a cache.
+        usable = list(prompt_token_ids[: max(len(prompt_token_ids) - 1, 0)])
+        keys = hash_full_blocks(usable, self.deployment.block_size, namespace)
+        if not keys:
+            return None, 0
+        try:
+            hit = await asyncio.wait_for(
+                self._tracker.query_prefix(-1, keys), TRACKER_TIMEOUT_S
+            )
+        except (TimeoutError, xo.ActorNotExist, ConnectionError) as error:
+            self.tracker_errors += 1
+            logger.warning(
+                "block tracker lookup failed (%r); routing without it", error
+            )
+            return None, 0
+        if hit is None:
+            return None, 0
+        return hit.rank, hit.num_blocks
+
+    @contextlib.contextmanager
+    def _counted(self, rank: int) -> Any:
+        self._in_flight[rank] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[rank] -= 1

@@ -1,0 +1,161 @@
+"""Frozen records that cross actor and process boundaries in the serving layer.
+
+The supervisor, the worker, the replica model actors and the HTTP front end talk in
+these types only (they pickle through xoscar); a field renamed breaks at the sender.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..model.llm.vllm.xavier.config import XavierReplicaSettings
+from .options import EngineOptions, RouterSettings
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """Everything one replica's model actor needs to load its engine."""
+
+    model_uid: str
+    rank: int
+    num_replicas: int
+    model_path: str
+    engine: EngineOptions
+    # None when Xavier is off; otherwise reaches the connector unchanged.
+    xavier: XavierReplicaSettings | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """A loaded replica: where its model actor lives and what its engine looks like."""
+
+    rank: int
+    address: str  # the replica's sub-pool address (nixl:// with Xavier)
+    actor_uid: str
+    pid: int  # the sub-pool process
+    num_kv_blocks: int
+    block_size: int
+    load_seconds: float
+    hash_namespace: str | None = None  # Xavier's block-hash namespace (None: off)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """What a replica process itself observed, for checks made *there*.
+
+    ``xavier`` is parsed back from the engine's own ``KVTransferConfig`` (what the
+    connector receives), not echoed from the launcher's arguments.
+    """
+
+    rank: int
+    pid: int
+    env: dict[str, str]  # the UCX_* and CUDA_VISIBLE_DEVICES variables seen there
+    xavier: XavierReplicaSettings | None
+    kv_connector: str | None
+    kv_connector_module_path: str | None
+    disable_hybrid_kv_cache_manager: bool
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    block_size: int
+    transfer_actor_alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentInfo:
+    """What the front end needs to dispatch requests over a model's replicas."""
+
+    model_uid: str
+    model_path: str
+    model_engine: str
+    replicas: tuple[ReplicaInfo, ...]
+    router: RouterSettings
+    xavier_enabled: bool
+    xavier_description: str
+    tracker_address: str | None = None
+    tracker_uid: str | None = None
+    hash_namespace: str | None = None  # how the connector names its block hashes
+    created: float = 0.0
+
+    @property
+    def block_size(self) -> int:
+        return self.replicas[0].block_size
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchProgress:
+    """A model's life so far, for `xinference launch` and `GET /v1/models/{uid}`."""
+
+    model_uid: str
+    state: str  # "launching", "ready", "failed", "terminating"
+    replicas_ready: int
+    replicas_total: int
+    detail: str
+    elapsed_s: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One prompt to complete, already tokenised by the front end."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationChunk:
+    """New output since the previous chunk of one request (the whole output when
+    the request is not streamed)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Prompt tokens the engine did not compute (local prefix cache or Xavier load).
+    cached_prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBatch:
+    """The chunks a stream produced since the last poll; ``done`` after the last."""
+
+    chunks: tuple[GenerationChunk, ...]
+    done: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """Counters of one replica: serving counters plus its transfer actor's stats."""
+
+    model_uid: str
+    rank: int
+    block_size: int
+    requests_total: int
+    requests_in_flight: int
+    prompt_tokens_total: int
+    cached_prompt_tokens_total: int
+    generated_tokens_total: int
+    # The transfer actor's ``stats()`` (nested: section -> name -> count), None
+    # with Xavier off.
+    xavier: dict[str, Any] | None = field(default=None)
+
+
+def format_counters(stats: dict[str, Any], prefix: str = "") -> str:
+    """``a.b=1, a.c=2, d=3`` from nested counters, for one log or console line."""
+    parts = []
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            inner = format_counters(value, f"{prefix}{key}.")
+            if inner:
+                parts.append(inner)
+        else:
+            parts.append(f"{prefix}{key}={value}")
+    return ", ".join(parts)

@@ -1,0 +1,244 @@
+"""Prometheus text exposition of per-replica serving and Xavier counters.
+
+Built fresh on every scrape from plain numbers (``ReplicaStats`` from the replicas,
+routing counters from the dispatcher): nothing here talks to an actor, so the
+rendering is tested with literal values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .dispatch import RouteCounters
+from .messages import ReplicaStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LABELS = ("model_uid", "rank")
+
+
+@dataclass(frozen=True, slots=True)
+class XavierMetric:
+    """One exported Xavier series.
+
+    ``stat`` is a dotted path into the transfer actor's ``stats()`` (for example
+    ``"transport.wire_bytes"``); ``tier`` adds a tier label when the stat is per
+    tier; ``per_block_tokens`` multiplies a block count by the block size.
+    """
+
+    stat: str
+    name: str
+    help: str
+    kind: str = "counter"  # or "gauge"
+    tier: str | None = None
+    per_block_tokens: bool = False
+
+
+_HITS = "Blocks this replica loaded from a peer instead of computing, by holder tier"
+_SERVED = "Snapshots this replica leased to peers, by tier"
+_HELD = "Snapshots held now, by tier"
+_HELD_BYTES = "Bytes of snapshots held now, by tier"
+
+# Exported series. A path absent from a replica's stats is left out of the scrape.
+XAVIER_METRICS: tuple[XavierMetric, ...] = (
+    XavierMetric(
+        "actor.device_tier_blocks_loaded", "xavier_remote_hits", _HITS, tier="device"
+    ),
+    XavierMetric(
+        "actor.cpu_tier_blocks_loaded", "xavier_remote_hits", _HITS, tier="cpu"
+    ),
+    XavierMetric(
+        "actor.device_tier_blocks_loaded",
+        "xavier_external_tokens_loaded",
+        "Prompt tokens whose KV this replica loaded from a peer",
+        per_block_tokens=True,
+    ),
+    XavierMetric(
+        "actor.cpu_tier_blocks_loaded",
+        "xavier_external_tokens_loaded",
+        "Prompt tokens whose KV this replica loaded from a peer",
+        per_block_tokens=True,
+    ),
+    XavierMetric(
+        "store.device_hits", "xavier_served_snapshots", _SERVED, tier="device"
+    ),
+    XavierMetric("store.cpu_hits", "xavier_served_snapshots", _SERVED, tier="cpu"),
+    XavierMetric(
+        "transport.wire_bytes",
+        "xavier_wire_bytes",
+        "Bytes this replica copied to peers over the device-tier transport",
+    ),
+    XavierMetric(
+        "transport.useful_bytes",
+        "xavier_useful_bytes",
+        "KV payload bytes this replica copied to peers over the device-tier transport",
+    ),
+    XavierMetric(
+        "transport.received_wire_bytes",
+        "xavier_received_wire_bytes",
+        "Bytes peers copied into this replica over the device-tier transport",
+    ),
+    XavierMetric(
+        "transport.received_useful_bytes",
+        "xavier_received_useful_bytes",
+        "KV payload bytes peers copied into this replica (device-tier transport)",
+    ),
+    XavierMetric(
+        "transport.registration_changes",
+        "xavier_registration_changes",
+        "Copies that re-registered a buffer with NIXL (both endpoints counted)",
+    ),
+    XavierMetric(
+        "store.demotions",
+        "xavier_demotions",
+        "Snapshots demoted from the device tier to the CPU tier",
+    ),
+    XavierMetric(
+        "store.skips", "xavier_skips", "Snapshots not stored: no room in any tier"
+    ),
+    XavierMetric("store.drops", "xavier_drops", "Snapshots dropped from the store"),
+    XavierMetric("store.published", "xavier_published", "Snapshots published"),
+    XavierMetric(
+        "actor.loads_failed",
+        "xavier_load_errors",
+        "Loads from a peer that failed (the engine recomputed those blocks)",
+    ),
+    XavierMetric("actor.loads_ok", "xavier_loads", "Loads from a peer that completed"),
+    XavierMetric(
+        "store.device_snapshots", "xavier_snapshots", _HELD, kind="gauge", tier="device"
+    ),
+    XavierMetric(
+        "store.cpu_snapshots", "xavier_snapshots", _HELD, kind="gauge", tier="cpu"
+    ),
+    XavierMetric(
+        "store.device_bytes",
+        "xavier_snapshot_bytes",
+        _HELD_BYTES,
+        kind="gauge",
+        tier="device",
+    ),
+    XavierMetric(
+        "store.cpu_bytes",
+        "xavier_snapshot_bytes",
+        _HELD_BYTES,
+        kind="gauge",
+        tier="cpu",
+    ),
+)
+
+
+def lookup(stats: dict[str, Any], path: str) -> float | None:
+    """The number at dotted ``path`` in nested ``stats``; None when absent."""
+    value: Any = stats
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSample:
+    """Everything scraped about one replica."""
+
+    stats: ReplicaStats
+    routing: RouteCounters | None = None
+
+
+def render(samples: Sequence[ReplicaSample]) -> bytes:
+    """The Prometheus text exposition of ``samples``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(samples))
+    return generate_latest(registry)
+
+
+class _Snapshot:
+    """A one-shot collector over already gathered samples."""
+
+    def __init__(self, samples: Sequence[ReplicaSample]) -> None:
+        self._samples = samples
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _serving_metrics(self._samples)
+        yield from _xavier_metrics(self._samples)
+
+
+def _labels(stats: ReplicaStats) -> list[str]:
+    return [stats.model_uid, str(stats.rank)]
+
+
+def _serving_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
+    serving: list[tuple[str, str, str]] = [
+        ("requests_total", "xinference_requests", "Requests served by the replica"),
+        ("prompt_tokens_total", "xinference_prompt_tokens", "Prompt tokens received"),
+        (
+            "cached_prompt_tokens_total",
+            "xinference_cached_prompt_tokens",
+            "Prompt tokens not computed (local prefix cache or Xavier load)",
+        ),
+        ("generated_tokens_total", "xinference_generated_tokens", "Tokens generated"),
+    ]
+    for field_name, name, help_text in serving:
+        family = CounterMetricFamily(name, help_text, labels=_LABELS)
+        for sample in samples:
+            family.add_metric(_labels(sample.stats), getattr(sample.stats, field_name))
+        yield family
+    in_flight = GaugeMetricFamily(
+        "xinference_requests_in_flight", "Requests running now", labels=_LABELS
+    )
+    for sample in samples:
+        in_flight.add_metric(_labels(sample.stats), sample.stats.requests_in_flight)
+    yield in_flight
+    routing: list[tuple[str, str, str]] = [
+        ("routed", "xinference_routed_requests", "Requests the router sent here"),
+        (
+            "routed_to_holder",
+            "xinference_routed_to_prefix_holder",
+            "Requests sent here because this replica held their longest prefix",
+        ),
+        (
+            "holder_too_busy",
+            "xinference_prefix_holder_too_busy",
+            "Requests whose prefix was here but went elsewhere: this replica was busy",
+        ),
+    ]
+    for field_name, name, help_text in routing:
+        family = CounterMetricFamily(name, help_text, labels=_LABELS)
+        for sample in samples:
+            if sample.routing is not None:
+                family.add_metric(
+                    _labels(sample.stats), getattr(sample.routing, field_name)
+                )
+        yield family
+
+
+def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
+    # name -> family; label tuple -> value, summed (a series may add several stats)
+    families: dict[str, Any] = {}
+    values: dict[str, dict[tuple[str, ...], float]] = {}
+    for metric in XAVIER_METRICS:
+        if metric.name not in families:
+            names = list(_LABELS) + (["tier"] if metric.tier else [])
+            cls = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+            families[metric.name] = cls(metric.name, metric.help, labels=names)
+            values[metric.name] = {}
+        for sample in samples:
+            stats = sample.stats.xavier
+            value = None if stats is None else lookup(stats, metric.stat)
+            if value is None:
+                continue
+            if metric.per_block_tokens:
+                value *= sample.stats.block_size
+            key = tuple(_labels(sample.stats) + ([metric.tier] if metric.tier else []))
+            series = values[metric.name]
+            series[key] = series.get(key, 0.0) + value
+    for name, family in families.items():
+        for key, value in values[name].items():
+            family.add_metric(list(key), value)
+        yield family

@@ -1,0 +1,93 @@
+"""Where each replica runs and with which environment (pure functions).
+
+Every replica gets its own sub-pool process. With Xavier on, that pool listens on a
+``nixl://`` address, so ``xo.copy_to`` between replicas' transfer actors is a NIXL
+write, and UCX is configured the way the GPU-first path needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+# The GPU-first path registers device memory with NIXL. UCX's memory-type cache can
+# misclassify CUDA IPC-mapped pointers, so it is switched off; the transport list keeps
+# TCP for control and host memory and adds the CUDA copy and IPC transports.
+UCX_MEMTYPE_CACHE = "n"
+DEFAULT_UCX_TLS = "tcp,cuda_copy,cuda_ipc"
+
+
+# Of a GPU's memory, the share vLLM may take when several replicas share the GPU and
+# the user did not say: split evenly, leaving headroom for the CUDA contexts and for
+# Xavier's device tier and slabs.
+SHARED_GPU_BUDGET = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPlacement:
+    """One replica's slot: its rank, its device (None: CPU or the default device),
+    the sub-pool address scheme and the environment the sub-pool starts with.
+
+    ``gpu_memory_utilization`` is set when replicas share the GPU (each engine would
+    otherwise claim vLLM's default 90% of it); ``shares_gpu`` says the engines must
+    load one after the other, since vLLM measures free memory while it starts.
+    """
+
+    rank: int
+    gpu: str | None  # a CUDA_VISIBLE_DEVICES entry
+    address_scheme: str | None  # "nixl" with Xavier, None for a plain socket pool
+    env: tuple[tuple[str, str], ...]
+    gpu_memory_utilization: float | None = None
+    shares_gpu: bool = False
+
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+def replica_environment(
+    *, xavier: bool, gpu: str | None, user_env: Mapping[str, str]
+) -> dict[str, str]:
+    """Variables a replica's sub-pool adds to the worker's own environment.
+
+    ``user_env`` is the environment the user started the worker with: a ``UCX_TLS``
+    there is the user's choice and is kept.
+    """
+    env: dict[str, str] = {}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if xavier:
+        env["UCX_MEMTYPE_CACHE"] = UCX_MEMTYPE_CACHE
+        env["UCX_TLS"] = user_env.get("UCX_TLS") or DEFAULT_UCX_TLS
+    return env
+
+
+def plan_replicas(
+    num_replicas: int,
+    *,
+    gpus: Sequence[str],
+    xavier: bool,
+    user_env: Mapping[str, str],
+) -> list[ReplicaPlacement]:
+    """Ranks 0..N-1, spread round-robin over ``gpus`` (empty: no device pinning)."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    assigned = [
+        gpus[rank % len(gpus)] if gpus else None for rank in range(num_replicas)
+    ]
+    placements = []
+    for rank, gpu in enumerate(assigned):
+        env = replica_environment(xavier=xavier, gpu=gpu, user_env=user_env)
+        sharing = assigned.count(gpu) if gpu is not None else 1
+        placements.append(
+            ReplicaPlacement(
+                rank=rank,
+                gpu=gpu,
+                address_scheme="nixl" if xavier else None,
+                env=tuple(sorted(env.items())),
+                gpu_memory_utilization=(
+                    round(SHARED_GPU_BUDGET / sharing, 3) if sharing > 1 else None
+                ),
+                shares_gpu=sharing > 1,
+            )
+        )
+    return placements

@@ -1,0 +1,420 @@
+"""The supervisor actor: launches, lists and terminates model deployments.
+
+Launching a model with ``replica=N``:
+
+1. validate the options (``LaunchSpec``) and log the Xavier settings in one line;
+2. with Xavier, create the model's block tracker in this pool;
+3. ask the worker to start one sub-pool per replica (``nixl://`` with Xavier) and
+   assign ranks 0..N-1;
+4. load every replica's engine, each told (``XavierReplicaSettings``) its rank, the
+   tracker and where its transfer actor will live;
+5. once every replica has loaded, create the transfer actors.
+
+Terminating reverses it: engines first (no new loads start), then the transfer
+actors (they drain and log their counters), then the sub-pools and whatever they
+spawned, then the tracker. A launch that fails half-way is torn down the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import xoscar as xo
+
+from ..model.llm.vllm.xavier.block_tracker import BlockTrackerActor, tracker_uid
+from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
+from .messages import (
+    DeploymentInfo,
+    LaunchProgress,
+    ReplicaInfo,
+    ReplicaReport,
+    ReplicaSpec,
+    ReplicaStats,
+    format_counters,
+)
+from .model import model_actor_uid
+from .options import LaunchOptionError, LaunchSpec
+from .registry import resolve_model
+
+logger = logging.getLogger(__name__)
+
+# Deadlines for waits on other processes. Loading covers engine start on a busy CPU.
+LOAD_TIMEOUT_S = 900.0
+POOL_START_TIMEOUT_S = 120.0
+RPC_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 120.0
+XAVIER_READY_TIMEOUT_S = 120.0
+PROGRESS_LOG_INTERVAL_S = 10.0
+
+T = TypeVar("T")
+
+
+class TeardownError(RuntimeError):
+    """Some teardown steps failed; every step was still attempted."""
+
+
+@dataclass
+class _Deployment:
+    """The supervisor's private, mutable record of one model."""
+
+    spec: LaunchSpec
+    started: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+    state: str = "launching"
+    detail: str = "validating"
+    worker: Any = None
+    tracker: Any = None
+    addresses: dict[int, str] = field(default_factory=dict)  # rank -> sub-pool
+    replicas: dict[int, ReplicaInfo] = field(default_factory=dict)  # rank -> loaded
+    models: dict[int, Any] = field(default_factory=dict)  # rank -> model actor ref
+    model_path: str = ""
+
+    def progress(self) -> LaunchProgress:
+        return LaunchProgress(
+            model_uid=self.spec.model_uid,
+            state=self.state,
+            replicas_ready=len(self.replicas),
+            replicas_total=self.spec.replica,
+            detail=self.detail,
+            elapsed_s=time.monotonic() - self.started,
+        )
+
+
+class SupervisorActor(xo.StatelessActor):
+    """One per cluster. Also hosts each Xavier model's block tracker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._workers: dict[str, Any] = {}  # worker address -> ref
+        self._models: dict[str, _Deployment] = {}  # model uid -> record
+
+    @classmethod
+    def default_uid(cls) -> str:
+        return "supervisor"
+
+    async def register_worker(self, address: str, uid: str | bytes) -> None:
+        self._workers[address] = await xo.actor_ref(address=address, uid=uid)
+        logger.info("worker registered at %s", address)
+
+    # ---- launch -------------------------------------------------------------------
+
+    async def launch_model(self, options: dict[str, Any]) -> DeploymentInfo:
+        """Validate raw launch options, then launch; see ``launch``."""
+        return await self.launch(LaunchSpec.from_options(**options))
+
+    async def launch(self, spec: LaunchSpec) -> DeploymentInfo:
+        """Launch ``spec`` and return once every replica serves."""
+        uid = spec.model_uid
+        if uid in self._models:
+            raise LaunchOptionError(f"model {uid!r} is already launched")
+        if not self._workers:
+            raise RuntimeError("no worker is registered with the supervisor")
+        record = _Deployment(spec)
+        self._models[uid] = record
+        logger.info(
+            "launching %s: %d replica(s) of %s with %s, router %s; %s",
+            uid,
+            spec.replica,
+            spec.model_name or spec.model_path,
+            spec.model_engine,
+            spec.router.kind,
+            spec.xavier.describe(),
+        )
+        ticker = asyncio.create_task(self._log_progress(record))
+        try:
+            await self._launch(record)
+        except BaseException as error:
+            record.state = "failed"
+            logger.error("launching %s failed: %r; tearing down", uid, error)
+            try:
+                await self._teardown(record)
+            except TeardownError as teardown_error:
+                # The launch failure is what the caller must see; log this one.
+                logger.error("%s", teardown_error)
+            finally:
+                del self._models[uid]
+            raise
+        finally:
+            ticker.cancel()
+        record.state = "ready"
+        record.detail = f"ready in {time.monotonic() - record.started:.1f} s"
+        logger.info("%s is ready: %s", uid, record.detail)
+        return self._deployment_info(record)
+
+    async def _launch(self, record: _Deployment) -> None:
+        spec = record.spec
+        uid = spec.model_uid
+        if spec.model_path is None:
+            assert spec.model_name is not None
+            record.detail = f"resolving model {spec.model_name!r}"
+            record.model_path = str(
+                await asyncio.to_thread(resolve_model, spec.model_name)
+            )
+        else:
+            record.model_path = spec.model_path
+        record.worker = next(iter(self._workers.values()))
+        if spec.xavier.enabled:
+            record.detail = "creating the block tracker"
+            record.tracker = await xo.create_actor(
+                BlockTrackerActor, address=self.address, uid=tracker_uid(uid)
+            )
+        placements = await _deadline(
+            record.worker.plan(spec.replica, spec.xavier.enabled), RPC_TIMEOUT_S
+        )
+        record.detail = f"starting {spec.replica} replica sub-pool(s)"
+
+        async def start_pool(rank: int) -> None:
+            record.addresses[rank] = await _deadline(
+                record.worker.start_replica_pool(placements[rank]),
+                POOL_START_TIMEOUT_S,
+            )
+
+        await _all(start_pool(rank) for rank in range(spec.replica))
+        record.detail = f"loading {spec.replica} engine(s)"
+
+        async def load(rank: int) -> None:
+            address = record.addresses[rank]
+            engine = spec.engine
+            shared = placements[rank].gpu_memory_utilization
+            if engine.gpu_memory_utilization is None and shared is not None:
+                engine = dataclasses.replace(engine, gpu_memory_utilization=shared)
+            replica_spec = ReplicaSpec(
+                model_uid=uid,
+                rank=rank,
+                num_replicas=spec.replica,
+                model_path=record.model_path,
+                engine=engine,
+                xavier=self._xavier_settings(spec, rank, address),
+            )
+            info = await _deadline(
+                record.worker.load_replica(address, replica_spec), LOAD_TIMEOUT_S
+            )
+            record.models[rank] = await xo.actor_ref(
+                address=address, uid=model_actor_uid(uid, rank)
+            )
+            record.replicas[rank] = info
+            logger.info(
+                "%s replica %d loaded in %.1f s (%d/%d): %d KV blocks of %d tokens",
+                uid,
+                rank,
+                info.load_seconds,
+                len(record.replicas),
+                spec.replica,
+                info.num_kv_blocks,
+                info.block_size,
+            )
+
+        if any(placement.shares_gpu for placement in placements):
+            # vLLM sizes its cache from the free memory it sees while starting: engines
+            # sharing a GPU must not start at the same time.
+            for rank in range(spec.replica):
+                await load(rank)
+        else:
+            await _all(load(rank) for rank in range(spec.replica))
+        if spec.xavier.enabled:
+            record.detail = "creating the Xavier transfer actors"
+            await _all(
+                _deadline(record.models[rank].start_transfer_actor(), RPC_TIMEOUT_S)
+                for rank in range(spec.replica)
+            )
+            record.detail = "waiting for the engines to map their KV caches"
+            await _all(
+                _deadline(
+                    record.models[rank].wait_xavier_ready(XAVIER_READY_TIMEOUT_S),
+                    XAVIER_READY_TIMEOUT_S + RPC_TIMEOUT_S,
+                )
+                for rank in range(spec.replica)
+            )
+
+    def _xavier_settings(
+        self, spec: LaunchSpec, rank: int, address: str
+    ) -> XavierReplicaSettings | None:
+        if not spec.xavier.enabled:
+            return None
+        return XavierReplicaSettings(
+            config=spec.xavier,
+            model_uid=spec.model_uid,
+            rank=rank,
+            tracker_address=self.address,
+            tracker_uid=tracker_uid(spec.model_uid),
+            transfer_address=address,
+            transfer_uid=transfer_actor_uid(spec.model_uid, rank),
+        )
+
+    async def _log_progress(self, record: _Deployment) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_LOG_INTERVAL_S)
+            progress = record.progress()
+            logger.info(
+                "%s: %s (%d/%d replicas ready, %.0f s)",
+                progress.model_uid,
+                progress.detail,
+                progress.replicas_ready,
+                progress.replicas_total,
+                progress.elapsed_s,
+            )
+
+    # ---- queries ------------------------------------------------------------------
+
+    async def progress(self, model_uid: str) -> LaunchProgress:
+        return self._record(model_uid).progress()
+
+    async def list_models(self) -> list[LaunchProgress]:
+        return [record.progress() for record in self._models.values()]
+
+    async def describe_model(self, model_uid: str) -> DeploymentInfo:
+        record = self._record(model_uid)
+        if record.state != "ready":
+            raise LookupError(f"model {model_uid!r} is {record.state}, not ready")
+        return self._deployment_info(record)
+
+    async def describe_models(self) -> list[DeploymentInfo]:
+        return [
+            self._deployment_info(record)
+            for record in self._models.values()
+            if record.state == "ready"
+        ]
+
+    async def report_replicas(self, model_uid: str) -> list[ReplicaReport]:
+        """Each replica's own account of what it received (asked in its process)."""
+        record = self._record(model_uid)
+        return await _all(
+            _deadline(record.models[rank].report(), RPC_TIMEOUT_S)
+            for rank in sorted(record.models)
+        )
+
+    async def collect_stats(self, model_uid: str) -> list[ReplicaStats]:
+        record = self._record(model_uid)
+        if record.state != "ready":
+            return []
+        return await _all(
+            _deadline(record.models[rank].stats(), RPC_TIMEOUT_S)
+            for rank in sorted(record.models)
+        )
+
+    # ---- terminate ----------------------------------------------------------------
+
+    async def terminate_model(self, model_uid: str) -> dict[int, dict[str, Any]]:
+        """Tear a model down; each replica's final Xavier counters (rank -> stats)."""
+        record = self._record(model_uid)
+        if record.state in ("launching", "terminating"):
+            raise LaunchOptionError(f"model {model_uid!r} is {record.state}")
+        record.state = "terminating"
+        record.detail = "terminating"
+        try:
+            return await self._teardown(record)
+        finally:
+            del self._models[model_uid]
+
+    async def terminate_all(self) -> None:
+        for uid in [u for u, r in self._models.items() if r.state == "ready"]:
+            await self.terminate_model(uid)
+
+    async def _teardown(self, record: _Deployment) -> dict[int, dict[str, Any]]:
+        uid = record.spec.model_uid
+        errors: list[str] = []
+
+        async def step(name: str, calls: dict[int, Awaitable[T]]) -> dict[int, T]:
+            results: dict[int, T] = {}
+            outcomes = await asyncio.gather(
+                *(_deadline(call, SHUTDOWN_TIMEOUT_S) for call in calls.values()),
+                return_exceptions=True,
+            )
+            for rank, outcome in zip(calls, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    errors.append(f"{name} of replica {rank}: {outcome!r}")
+                else:
+                    results[rank] = outcome
+            return results
+
+        await step(
+            "engine shutdown",
+            {rank: ref.shutdown_engine() for rank, ref in record.models.items()},
+        )
+        finals = await step(
+            "transfer actor close",
+            {rank: ref.close_transfer_actor() for rank, ref in record.models.items()},
+        )
+        counters = {rank: stats for rank, stats in finals.items() if stats is not None}
+        for rank in sorted(counters):
+            logger.info(
+                "%s replica %d Xavier counters at shutdown: %s",
+                uid,
+                rank,
+                format_counters(counters[rank]),
+            )
+        if record.worker is not None:
+            killed = await step(
+                "sub-pool removal",
+                {
+                    rank: record.worker.remove_replica(address)
+                    for rank, address in record.addresses.items()
+                },
+            )
+            leftovers = [pid for pids in killed.values() for pid in pids]
+            if leftovers:
+                errors.append(f"killed processes that outlived their pool: {leftovers}")
+        if record.tracker is not None:
+            try:
+                await _deadline(xo.destroy_actor(record.tracker), RPC_TIMEOUT_S)
+            except Exception as error:  # reported below with the other failures
+                errors.append(f"tracker destruction: {error!r}")
+        if errors:
+            raise TeardownError(f"terminating {uid}: " + "; ".join(errors))
+        logger.info("%s terminated", uid)
+        return counters
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def _record(self, model_uid: str) -> _Deployment:
+        record = self._models.get(model_uid)
+        if record is None:
+            raise LookupError(f"model {model_uid!r} is not launched")
+        return record
+
+    def _deployment_info(self, record: _Deployment) -> DeploymentInfo:
+        spec = record.spec
+        return DeploymentInfo(
+            model_uid=spec.model_uid,
+            model_path=record.model_path,
+            model_engine=spec.model_engine,
+            replicas=tuple(record.replicas[rank] for rank in sorted(record.replicas)),
+            router=spec.router,
+            xavier_enabled=spec.xavier.enabled,
+            xavier_description=spec.xavier.describe(),
+            tracker_address=self.address if record.tracker is not None else None,
+            tracker_uid=tracker_uid(spec.model_uid) if record.tracker else None,
+            hash_namespace=_one_namespace(record.replicas.values()),
+            created=record.created,
+        )
+
+
+def _one_namespace(replicas: Any) -> str | None:
+    """The replicas' common hash namespace; they must agree or routing by prefix
+    would look up keys no replica registers."""
+    names = {replica.hash_namespace for replica in replicas}
+    if len(names) > 1:
+        raise RuntimeError(f"replicas disagree on the Xavier hash namespace: {names}")
+    return names.pop() if names else None
+
+
+async def _deadline(call: Awaitable[T], seconds: float) -> T:
+    return await asyncio.wait_for(call, seconds)
+
+
+async def _all(calls: Any) -> list[Any]:
+    """Run ``calls`` concurrently; on the first failure cancel the rest and raise."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

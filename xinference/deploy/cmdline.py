@@ -1,0 +1,227 @@
+"""The command line, in Xinference's style.
+
+    xinference-local [--host H] [--port P]          supervisor + worker + HTTP server
+    xinference launch --model-engine vllm --model-path PATH --replica 2 \\
+        --enable-xavier --xavier-gpu-cache-bytes 256MiB
+    xinference launch --model-name tiny-qwen2 --replica 2 --enable-xavier
+    xinference list
+    xinference terminate --model-uid UID
+
+The client commands talk to ``--endpoint`` (default ``$XINFERENCE_ENDPOINT`` or
+http://127.0.0.1:9997). ``python -m xinference.deploy.cmdline`` is ``xinference``
+(``local`` is also a subcommand there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import click
+import httpx
+
+from ..client.restful_client import Client, XinferenceError
+from ..core.messages import format_counters
+from ..core.options import default_model_uid
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
+PROGRESS_POLL_S = 1.0
+
+
+# ---- xinference-local -------------------------------------------------------------
+
+
+@click.command("local")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port", default=9997, show_default=True, type=int, help="0: any free port"
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+def local(host: str, port: int, log_level: str) -> None:
+    """Run a supervisor, a worker and the HTTP API in this process."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(_serve_local(host, port))
+
+
+async def _serve_local(host: str, port: int) -> None:
+    from .local import start_local_cluster
+
+    cluster = await start_local_cluster(host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    # One parseable line: scripts and tests read the endpoint from it.
+    click.echo(f"Xinference serving at {cluster.endpoint}", err=False)
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        click.echo("Shutting down: terminating models")
+        await cluster.stop()
+
+
+# ---- xinference -------------------------------------------------------------------
+
+
+@click.group()
+@click.option(
+    "--endpoint",
+    "-e",
+    default=lambda: os.environ.get("XINFERENCE_ENDPOINT", DEFAULT_ENDPOINT),
+    show_default="$XINFERENCE_ENDPOINT or " + DEFAULT_ENDPOINT,
+)
+@click.pass_context
+def cli(ctx: click.Context, endpoint: str) -> None:
+    """Manage models on an Xinference server."""
+    ctx.obj = endpoint
+
+
+cli.add_command(local)
+
+
+@cli.command()
+@click.option("--model-name", "-n", default=None, help="a name from the local registry")
+@click.option(
+    "--model-path",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="a local model directory",
+)
+@click.option("--model-uid", "-u", default=None, help="default: the name or dir name")
+@click.option("--model-engine", default="vllm", show_default=True)
+@click.option("--replica", default=1, show_default=True, type=int)
+@click.option("--enable-xavier", is_flag=True, help="share prefix KV between replicas")
+@click.option(
+    "--xavier-gpu-cache-bytes",
+    default=None,
+    help="GPU-first device budget: bytes or a size such as 256MiB (0: no budget)",
+)
+@click.option(
+    "--xavier-transport",
+    default="xoscar",
+    show_default=True,
+    type=click.Choice(["xoscar", "nixl"]),
+)
+@click.option(
+    "--router",
+    default="round-robin",
+    show_default=True,
+    type=click.Choice(["round-robin", "cache-aware"]),
+)
+@click.option("--router-busy-margin", default=2, show_default=True, type=int)
+@click.option("--tensor-parallel-size", default=1, show_default=True, type=int)
+@click.option("--pipeline-parallel-size", default=1, show_default=True, type=int)
+@click.option("--block-size", default=None, type=int)
+@click.option("--max-model-len", default=None, type=int)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--enforce-eager", is_flag=True)
+@click.option("--gpu-memory-utilization", default=None, type=float)
+@click.option("--max-num-seqs", default=None, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.pass_obj
+def launch(endpoint: str, **options: Any) -> None:
+    """Launch a model and wait until every replica serves."""
+    uid = options["model_uid"]
+    if uid is None and (options["model_name"] or options["model_path"]):
+        uid = default_model_uid(options["model_name"], options["model_path"])
+        options["model_uid"] = uid
+    client = Client(endpoint)
+    done = threading.Event()
+    watcher = threading.Thread(
+        target=_show_progress, args=(endpoint, uid, done), daemon=True
+    )
+    if uid is not None:
+        watcher.start()
+    try:
+        deployment = client.launch_model_detailed(**options)
+    except XinferenceError as error:
+        raise click.ClickException(error.detail) from None
+    except httpx.TransportError as error:
+        raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
+    finally:
+        done.set()
+        if watcher.is_alive():
+            watcher.join(PROGRESS_POLL_S * 5)
+        client.close()
+    click.echo(f"Model uid: {deployment['model_uid']}")
+    click.echo(deployment["xavier"])
+    for replica in deployment["replicas"]:
+        click.echo(
+            f"  replica {replica['rank']}: {replica['address']} pid {replica['pid']}, "
+            f"loaded in {replica['load_seconds']:.1f} s"
+        )
+
+
+def _show_progress(endpoint: str, uid: str, done: threading.Event) -> None:
+    """Print the launch's progress whenever it changes (polls its own client)."""
+    last = None
+    with Client(endpoint, timeout=10.0) as client:
+        while not done.wait(PROGRESS_POLL_S):
+            try:
+                progress = client.progress(uid)
+            except (XinferenceError, httpx.HTTPError):
+                continue  # not registered yet, already gone, or a slow answer
+            line = (
+                f"{progress['detail']} "
+                f"({progress['replicas_ready']}/{progress['replicas_total']} replicas ready)"
+            )
+            if line != last:
+                click.echo(f"[{progress['elapsed_s']:5.0f} s] {line}", err=True)
+                last = line
+
+
+@cli.command("list")
+@click.pass_obj
+def list_models(endpoint: str) -> None:
+    """List launched models."""
+    try:
+        with Client(endpoint) as client:
+            models = client.list_models()
+    except XinferenceError as error:
+        raise click.ClickException(error.detail) from None
+    except httpx.TransportError as error:
+        raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
+    if not models:
+        click.echo("no models")
+        return
+    click.echo(f"{'UID':<24} {'STATUS':<10} {'REPLICAS':<9} XAVIER")
+    for model in models:
+        click.echo(
+            f"{model['id']:<24} {model['status']:<10} "
+            f"{model['replicas_ready']}/{model['replica']:<7} {model.get('xavier', '')}"
+        )
+
+
+@cli.command()
+@click.option("--model-uid", "-u", required=True)
+@click.pass_obj
+def terminate(endpoint: str, model_uid: str) -> None:
+    """Terminate a model; prints each replica's final Xavier counters."""
+    try:
+        with Client(endpoint) as client:
+            result = client.terminate_model(model_uid)
+    except XinferenceError as error:
+        raise click.ClickException(error.detail) from None
+    except httpx.TransportError as error:
+        raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
+    click.echo(f"Terminated {model_uid}")
+    for rank, stats in sorted(result["xavier_counters"].items()):
+        click.echo(f"  replica {rank} Xavier counters: {format_counters(stats)}")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,338 @@
+"""One command: Xavier on two CPU replicas against the same workload without it.
+
+    python -m xinference.deploy.demo [--workdir .demo] [--groups 8] [--per-group 4]
+
+Builds the tiny offline model, starts a local cluster (supervisor, worker, HTTP
+server) in this process, then twice launches two replicas -- Xavier off, then
+Xavier on -- and sends the same shared-prefix workload through the HTTP API
+(streamed, to time the first token). Prints one table and exits 0 only if every
+request succeeded, Xavier served remote hits, and both runs produced the same text.
+
+The workload: ``groups`` distinct prefixes of ``prefix_blocks`` full KV blocks, each
+followed by ``per_group`` different questions, sent one at a time so that a prefix
+is published before its next request arrives. Round-robin puts consecutive requests
+on alternating replicas, so the second request of every group lands on the replica
+that has not seen the prefix: with Xavier it loads the prefix from its peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_UID = "xavier-demo"
+BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
+# float32, not bfloat16: with bf16 on CPU, vLLM's greedy outputs change with the mere
+# presence of a KV connector (a no-op one does it; its kernels take another path), so
+# Xavier-on and Xavier-off outputs would differ after a few tokens for reasons that
+# have nothing to do with the KV that Xavier moves. In float32 they are identical.
+DTYPE = "float32"
+LAUNCH_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 120.0
+
+logger = logging.getLogger("xinference.demo")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    groups: int = 8
+    per_group: int = 4
+    prefix_words: int = 240  # comfortably more than 8 blocks of 32 tokens
+    max_tokens: int = 16
+
+    def prompts(self) -> list[str]:
+        """Deterministic prompts: group g's shared prefix, then question q."""
+        prompts = []
+        for group in range(self.groups):
+            prefix = " ".join(_word(group * 7919 + i) for i in range(self.prefix_words))
+            for question in range(self.per_group):
+                tail = " ".join(
+                    _word(group * 104729 + question * 31 + i) for i in range(6)
+                )
+                prompts.append(
+                    f"Context {group}: {prefix}\nQuestion {question}: {tail}?"
+                )
+        return prompts
+
+
+@dataclass(slots=True)
+class RequestResult:
+    text: str
+    ttft_s: float
+    replica: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(slots=True)
+class RunResult:
+    xavier: bool
+    launch_s: float
+    requests: list[RequestResult] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # metric name -> sum
+    counters_at_shutdown: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> int:
+        return sum(r.ok for r in self.requests)
+
+    def ttft_p50_ms(self, indices: Sequence[int] | None = None) -> float:
+        chosen = [
+            r.ttft_s
+            for i, r in enumerate(self.requests)
+            if r.ok and (indices is None or i in indices)
+        ]
+        return 1000 * statistics.median(chosen) if chosen else float("nan")
+
+
+def _word(seed: int) -> str:
+    syllables = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "va", "qu", "en")
+    state = (seed * 2654435761 + 12345) % (1 << 32)
+    parts = []
+    for _ in range(2 + state % 2):
+        parts.append(syllables[state % len(syllables)])
+        state //= len(syllables)
+    return "".join(parts)
+
+
+async def run(args: argparse.Namespace) -> int:
+    from ..model.llm.tiny_model import build_tiny_qwen2
+    from .local import start_local_cluster
+
+    workload = Workload(groups=args.groups, per_group=args.per_group)
+    prompts = workload.prompts()
+    workdir = Path(args.workdir)  # made absolute in main()
+    _say(f"building the tiny model in {workdir} (offline)")
+    model_path = await asyncio.to_thread(build_tiny_qwen2, workdir / "tiny-qwen2")
+    cluster = await start_local_cluster(port=0)
+    _say(f"cluster at {cluster.endpoint}")
+    results: list[RunResult] = []
+    try:
+        async with httpx.AsyncClient(
+            base_url=cluster.endpoint, timeout=REQUEST_TIMEOUT_S
+        ) as http:
+            for xavier in (False, True):
+                results.append(
+                    await _one_run(http, model_path, xavier, prompts, workload, args)
+                )
+    finally:
+        await cluster.stop()
+    off, on = results
+    print(_table(off, on, workload))
+    return _verdict(off, on, len(prompts))
+
+
+async def _one_run(
+    http: httpx.AsyncClient,
+    model_path: Path,
+    xavier: bool,
+    prompts: list[str],
+    workload: Workload,
+    args: argparse.Namespace,
+) -> RunResult:
+    options: dict = dict(
+        model_uid=MODEL_UID,
+        model_path=str(model_path),
+        replica=2,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        enforce_eager=True,
+        dtype=DTYPE,
+    )
+    if xavier:
+        options |= dict(enable_xavier=True, xavier_gpu_cache_bytes=args.gpu_cache_bytes)
+    label = "on" if xavier else "off"
+    _say(f"launching 2 CPU replicas, Xavier {label} (engines load in about a minute)")
+    started = time.monotonic()
+    response = await http.post("/v1/models", json=options, timeout=LAUNCH_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"launch failed: {response.text}")
+    deployment = response.json()
+    result = RunResult(xavier=xavier, launch_s=time.monotonic() - started)
+    _say(f"ready in {result.launch_s:.0f} s; {deployment['xavier']}")
+    try:
+        for index, prompt in enumerate(prompts):
+            result.requests.append(await _request(http, prompt, workload.max_tokens))
+            if not result.requests[-1].ok:
+                _say(f"request {index} failed: {result.requests[-1].error}")
+        result.metrics = _scrape((await http.get("/metrics")).text)
+    finally:
+        response = await http.delete(f"/v1/models/{MODEL_UID}")
+        if response.status_code == 200:
+            result.counters_at_shutdown = response.json()["xavier_counters"]
+        else:
+            _say(f"terminate failed: {response.text}")
+    _say(
+        f"Xavier {label}: {result.succeeded}/{len(prompts)} requests ok, "
+        f"TTFT p50 {result.ttft_p50_ms():.1f} ms"
+    )
+    return result
+
+
+async def _request(
+    http: httpx.AsyncClient, prompt: str, max_tokens: int
+) -> RequestResult:
+    body = dict(
+        model=MODEL_UID,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+    )
+    started = time.monotonic()
+    ttft = None
+    pieces: list[str] = []
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return RequestResult("", 0.0, -1, False, response.text)
+            replica = int(response.headers.get("x-xinference-replica", -1))
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                payload = json.loads(line[5:])
+                if "error" in payload:
+                    return RequestResult("", 0.0, replica, False, str(payload["error"]))
+                for choice in payload.get("choices", []):
+                    # The first chunk carries the first token (its text may still be
+                    # empty: a partial UTF-8 sequence).
+                    if ttft is None:
+                        ttft = time.monotonic() - started
+                    pieces.append(choice["text"])
+    except httpx.HTTPError as error:
+        return RequestResult("", 0.0, -1, False, repr(error))
+    return RequestResult("".join(pieces), ttft or 0.0, replica, ttft is not None)
+
+
+def _scrape(text: str) -> dict[str, float]:
+    """Metric sample name (+ tier) -> sum over replicas."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if "tier" in sample.labels:
+                name += f"{{tier={sample.labels['tier']}}}"
+            totals[name] = totals.get(name, 0.0) + sample.value
+    return totals
+
+
+def _cross_replica_first_touch(workload: Workload) -> list[int]:
+    """Indices of each group's second request: the first on the other replica."""
+    return [g * workload.per_group + 1 for g in range(workload.groups)]
+
+
+def _table(off: RunResult, on: RunResult, workload: Workload) -> str:
+    first_touch = _cross_replica_first_touch(workload)
+
+    def metric(run: RunResult, name: str) -> str:
+        return f"{int(run.metrics.get(name, 0)):,}"
+
+    rows = [
+        (
+            "requests (ok / sent)",
+            *(f"{r.succeeded} / {len(r.requests)}" for r in (off, on)),
+        ),
+        (
+            "remote-hit tokens",
+            *(metric(r, "xavier_external_tokens_loaded_total") for r in (off, on)),
+        ),
+        (
+            "remote hits, device / cpu tier (blocks)",
+            *(
+                f"{metric(r, 'xavier_remote_hits_total{tier=device}')} / "
+                f"{metric(r, 'xavier_remote_hits_total{tier=cpu}')}"
+                for r in (off, on)
+            ),
+        ),
+        ("wire bytes", *(metric(r, "xavier_wire_bytes_total") for r in (off, on))),
+        ("useful bytes", *(metric(r, "xavier_useful_bytes_total") for r in (off, on))),
+        ("TTFT p50, all requests (ms)", *(f"{r.ttft_p50_ms():.1f}" for r in (off, on))),
+        (
+            "TTFT p50, prefix new to the replica (ms)",
+            *(f"{r.ttft_p50_ms(first_touch):.1f}" for r in (off, on)),
+        ),
+        ("launch (s)", *(f"{r.launch_s:.0f}" for r in (off, on))),
+    ]
+    same = sum(
+        a.ok and b.ok and a.text == b.text
+        for a, b in zip(off.requests, on.requests, strict=True)
+    )
+    width = max(len(row[0]) for row in rows)
+    lines = [
+        "",
+        f"Shared-prefix workload: {workload.groups} prefixes x {workload.per_group} "
+        f"requests, 2 CPU replicas, {DTYPE}, block size {BLOCK_SIZE}, greedy, "
+        f"{workload.max_tokens} new tokens",
+        f"{'':<{width}}  {'Xavier off':>14}  {'Xavier on':>14}",
+    ]
+    lines += [f"{name:<{width}}  {a:>14}  {b:>14}" for name, a, b in rows]
+    lines.append(f"identical outputs: {same} / {len(off.requests)}")
+    return "\n".join(lines)
+
+
+def _verdict(off: RunResult, on: RunResult, expected: int) -> int:
+    problems = []
+    for run in (off, on):
+        if run.succeeded != expected:
+            label = "on" if run.xavier else "off"
+            problems.append(
+                f"Xavier {label}: {expected - run.succeeded} requests failed"
+            )
+    if on.metrics.get("xavier_external_tokens_loaded_total", 0) <= 0:
+        problems.append("Xavier on served no remote hits")
+    differing = [
+        i
+        for i, (a, b) in enumerate(zip(off.requests, on.requests, strict=True))
+        if a.text != b.text
+    ]
+    if differing:
+        problems.append(f"outputs differ between the runs at requests {differing}")
+    for problem in problems:
+        print(f"FAILED: {problem}")
+    if not problems:
+        print("OK: every request succeeded, Xavier shared prefixes, outputs identical")
+    return 1 if problems else 0
+
+
+def _say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default=".demo", help="where the model is built")
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--per-group", type=int, default=4)
+    parser.add_argument(
+        "--gpu-cache-bytes",
+        default="64MiB",
+        help="Xavier's device-tier budget (on CPU replicas the device is host memory)",
+    )
+    args = parser.parse_args(argv)
+    args.workdir = os.path.abspath(args.workdir)
+    # CPU engines: 1 GiB of KV cache each, nothing downloaded, quiet vLLM logs.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
