@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
+from ..model.llm.vllm.xavier.hashing import model_namespace
 from .messages import GenerationChunk, GenerationRequest, ReplicaSpec
 
 logger = logging.getLogger(__name__)
@@ -98,13 +99,13 @@ class VLLMEngine:
         """The namespace the Xavier connector hashes prompt blocks under, so that
         the router computes the same keys the replicas register (None: no Xavier).
 
-        Mirrors ``XavierConnector.__init__``: model uid, KV dtype and block size.
+        The connector derives it the same way (``hashing.model_namespace``).
         """
         settings = self.xavier_settings()
         if settings is None:
             return None
         dtype = str(self._engine.vllm_config.model_config.dtype).removeprefix("torch.")
-        return f"{settings.model_uid}|{dtype}|{self.block_size}"
+        return model_namespace(settings.model_uid, dtype, self.block_size)
 
     def parallel_sizes(self) -> tuple[int, int]:
         parallel = self._engine.vllm_config.parallel_config

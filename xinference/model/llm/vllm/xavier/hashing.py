@@ -22,6 +22,15 @@ HASH_FORMAT_VERSION = 1
 BlockHash = bytes  # 16 bytes of xxh3-128 digest
 
 
+def model_namespace(model_uid: str, dtype: str, block_size: int) -> str:
+    """The namespace every replica of one model hashes under (and the router too).
+
+    Replicas launched under one model uid serve the same weights; the KV dtype and
+    the block size complete what must be equal for two blocks' KV to be the same.
+    """
+    return f"{model_uid}|{dtype}|{block_size}"
+
+
 def root_hash(namespace: str) -> BlockHash:
     """The parent of a prompt's first block: format version plus namespace."""
     seed = f"xavier-block-hash/v{HASH_FORMAT_VERSION}/{namespace}".encode()

@@ -78,10 +78,18 @@ class LeaseGrant:
     keys: tuple[BlockHash, ...]
     tiers: tuple[str, ...]
     logical_dtypes: tuple[str, ...]
+    # Where each key's layer 0 sits in the holder's tier (``first_row``), and the
+    # epoch (agent name, generation) of the holder's NIXL registration of its device
+    # tier; set by holders whose transport reads rows directly ("nixl"), so that a
+    # loader needs no further round trip to find them. Empty / None otherwise.
+    first_rows: tuple[int, ...] = ()
+    holder_epoch: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.keys) == len(self.tiers) == len(self.logical_dtypes)):
             raise ValueError("keys, tiers and logical_dtypes must have equal lengths")
+        if self.first_rows and len(self.first_rows) != len(self.keys):
+            raise ValueError("first_rows must be empty or one per key")
 
 
 @dataclass(frozen=True, slots=True)

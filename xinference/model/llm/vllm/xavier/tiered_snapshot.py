@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .hashing import BlockHash
 from .device import fence
+from .hashing import BlockHash
 from .layout import wide_view
 from .lru import LRUOrder
 from .messages import CPU_TIER, DEVICE_TIER, KVGeometry

@@ -46,8 +46,14 @@ from .messages import (
     ReplicaIdentity,
     StageItem,
 )
+from .nixl_transport import (
+    NixlDirectTransport,
+    NixlEndpointInfo,
+    NixlSource,
+    locate_device_rows,
+)
 from .tiered_snapshot import StageSlot, TieredKVSnapshotStore
-from .transport import DeviceTierTransport, RowScatter, make_device_tier_transport
+from .transport import DeviceTierTransport, RowScatter, create_device_tier_transport
 
 logger = logging.getLogger(__name__)
 
@@ -226,12 +232,16 @@ class XavierTransferActor(xo.StatelessActor):
             device_budget_bytes=config.gpu_cache_bytes or 0,
             cpu_capacity_blocks=cpu_capacity,
         )
-        transport = make_device_tier_transport(
+        transport = await create_device_tier_transport(
             config.transport,
             self.address,
             device,
             identity.geometry,
             config.rpc_timeout_s,
+            agent_name=f"{config.model_uid}-{config.rank}",
+            store_rows=store.device_rows,
+            engine_layers=tensors,
+            engine_block_axis=layout.block_axis,
         )
         self._cache, self._identity = cache, identity
         self._store, self._transport = store, transport
@@ -352,13 +362,40 @@ class XavierTransferActor(xo.StatelessActor):
         entries = store.lease(lease_id, keys)
         if entries:
             self._lease_granted_at[lease_id] = asyncio.get_running_loop().time()
+        nixl = self._nixl_transport()
         return LeaseGrant(
             lease_id=lease_id,
             holder_rank=self._config.rank,
             keys=tuple(keys[: len(entries)]),
             tiers=tuple(tier for tier, _, _ in entries),
             logical_dtypes=tuple(dtype for _, _, dtype in entries),
+            # a loader reads device tier rows straight from here (see nixl_source)
+            first_rows=tuple(row for _, row, _ in entries) if nixl else (),
+            holder_epoch=nixl.endpoint.info.epoch if nixl else None,
         )
+
+    async def nixl_endpoint_info(self) -> NixlEndpointInfo:
+        """Peer-facing (nixl transport): our agent's metadata for our device tier."""
+        self._check_open()
+        return self._require_nixl().endpoint.info
+
+    async def nixl_source(self, lease_id: str, keys: list[BlockHash]) -> NixlSource:
+        """Peer-facing (nixl transport): where leased device tier keys sit."""
+        self._check_open()
+        rows = locate_device_rows(self._require_store(), lease_id, keys)
+        return self._require_nixl().endpoint.source(rows)
+
+    def _nixl_transport(self) -> NixlDirectTransport | None:
+        transport = self._transport
+        return transport if isinstance(transport, NixlDirectTransport) else None
+
+    def _require_nixl(self) -> NixlDirectTransport:
+        transport = self._nixl_transport()
+        if transport is None:
+            raise RuntimeError(
+                f"replica {self._config.rank} does not use the nixl transport"
+            )
+        return transport
 
     async def release(self, lease_id: str) -> None:
         """Release a lease; idempotent, and a no-op once the actor has closed."""
@@ -571,11 +608,17 @@ class XavierTransferActor(xo.StatelessActor):
             DEVICE_TIER: ([], []),
             CPU_TIER: ([], []),
         }  # tier -> (keys, destination blocks)
-        for key, tier, block_id in zip(
-            grant.keys, grant.tiers, req.dst_block_ids, strict=True
+        device_rows: list[int] = []  # holder rows of the device tier keys, if known
+        for i, (key, tier, block_id) in enumerate(
+            zip(grant.keys, grant.tiers, req.dst_block_ids, strict=True)
         ):
             by_tier[tier][0].append(key)
             by_tier[tier][1].append(block_id)
+            if tier == DEVICE_TIER and grant.first_rows:
+                device_rows.append(grant.first_rows[i])
+        source = None
+        if grant.holder_epoch is not None and grant.first_rows:
+            source = NixlSource(*grant.holder_epoch, first_rows=tuple(device_rows))
 
         parts: list[Awaitable[Any]] = []
         device_keys, device_blocks = by_tier[DEVICE_TIER]
@@ -587,6 +630,8 @@ class XavierTransferActor(xo.StatelessActor):
                     grant.lease_id,
                     device_keys,
                     self._row_scatter(load, device_blocks),
+                    dst_block_ids=device_blocks,
+                    source=source,
                 )
             )
         cpu_keys, cpu_blocks = by_tier[CPU_TIER]

@@ -37,10 +37,18 @@ class DeviceTierTransport(Protocol):
         lease_id: str,
         keys: Sequence[BlockHash],
         scatter: RowScatter,
+        *,
+        dst_block_ids: Sequence[int] | None = None,
+        source: Any = None,
     ) -> None:
         """Loader side: bring every layer of ``keys`` (leased on the holder under
         ``lease_id``) and hand them to ``scatter`` in chunks. Returns or raises only
-        once the holder can no longer write into this side's memory."""
+        once the holder can no longer write into this side's memory.
+
+        ``dst_block_ids`` (one engine block per key) lets a transport place rows in
+        the engine blocks itself instead of calling ``scatter``; ``source`` is a
+        transport's own description of where the leased rows are (from the grant),
+        sparing it a round trip to the holder. Both are optional hints."""
         ...
 
     async def serve(
@@ -91,7 +99,11 @@ class XoscarSlabTransport:
         lease_id: str,
         keys: Sequence[BlockHash],
         scatter: RowScatter,
+        *,
+        dst_block_ids: Sequence[int] | None = None,
+        source: Any = None,
     ) -> None:
+        # The holder pushes into our slab: neither hint applies.
         async def push(req: PushRequest) -> None:
             await _with_deadline(holder_ref.push_rows(req), self._rpc_timeout_s)
 
@@ -114,6 +126,42 @@ async def _with_deadline(call: Awaitable[Any], timeout_s: float) -> Any:
     # xo.wait_for, not asyncio.wait_for: the latter can hang on an actor call whose
     # cancellation never reaches an unresponsive peer.
     return await xo.wait_for(call, timeout_s)
+
+
+async def create_device_tier_transport(
+    name: str,
+    address: str,
+    device: torch.device | str,
+    geometry: KVGeometry,
+    rpc_timeout_s: float,
+    *,
+    agent_name: str,
+    store_rows: torch.Tensor,
+    engine_layers: Sequence[torch.Tensor] | None = None,
+    engine_block_axis: int | None = None,
+) -> DeviceTierTransport:
+    """The transport named by ``XavierConfig.transport``, started.
+
+    ``nixl`` registers ``store_rows`` (the device tier) and a receive slab with an
+    agent of its own; ``engine_layers`` are registered only for engine placement.
+    """
+    if name == "nixl":
+        from .nixl_transport import PLACEMENT_SLAB, NixlDirectTransport
+
+        # Slab placement in serving: a READ that outlives its deadline (a stalled
+        # peer over TCP) then lands in a retired slab, never in engine blocks that
+        # vLLM has meanwhile handed to a recomputation. Engine placement (no
+        # scatter) stays available to the benchmark and to callers that accept it.
+        return await NixlDirectTransport.create(
+            agent_name,
+            geometry,
+            store_rows,
+            rpc_timeout_s=rpc_timeout_s,
+            placement=PLACEMENT_SLAB,
+            engine_layers=engine_layers,
+            engine_block_axis=engine_block_axis,
+        )
+    return make_device_tier_transport(name, address, device, geometry, rpc_timeout_s)
 
 
 def make_device_tier_transport(

@@ -40,7 +40,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .config import XavierReplicaSettings, transfer_actor_uid
-from .hashing import BlockHash
+from .hashing import BlockHash, model_namespace
 from .layout import CPU_LAYOUT
 from .messages import LeaseGrant, PrefixHit, ReplicaIdentity
 from .scheduler_side import (
@@ -133,7 +133,7 @@ class XavierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             settings = SchedulerSettings(
                 rank=options.rank,
-                namespace=f"{model}|{dtype}|{block_size}",
+                namespace=model_namespace(model, dtype, block_size),
                 block_size=block_size,
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,

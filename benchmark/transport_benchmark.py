@@ -1,0 +1,449 @@
+"""Device-tier transports side by side: latency per load, wire bytes, registrations.
+
+Two processes (sub-pools of one xoscar pool on ``nixl://`` addresses) stand in for
+two replicas. The holder keeps snapshots in a device-tier tensor (store rows); the
+loader loads them into an engine KV cache laid out like vLLM's. Both hold every
+transport, so one run compares them under the same conditions:
+
+  xoscar        XoscarSlabTransport: a push call per chunk, the holder gathers into
+                its send slab and ``xo.copy_to``s it into the loader's receive slab
+                (the seed's path, with its slab selector); the loader scatters.
+  nixl-slab     NixlDirectTransport, slab placement: one NIXL READ of the holder's
+                rows into the loader's registered receive slab, one descriptor per
+                contiguous run of holder rows; the loader scatters.
+  nixl-engine   NixlDirectTransport, engine placement: one NIXL READ straight into
+                the engine blocks, one descriptor per (block, layer) piece.
+  nixl-slab-rpc nixl-slab plus the holder RPC that locates the leased rows, i.e.
+                without the rows travelling in the lease grant.
+
+Loads carry 1, 16 and 64 snapshots of Qwen2.5-0.5B in BF16 (24 layers x 8 KiB per
+layer-block = 192 KiB per block; 64 blocks = 12 MiB). Each case runs ``--warmup``
+loads, then ``--loads`` measured loads, timed inside the loader process around the
+transport's ``load`` (scatter and device fences included). Contents are checked
+after each case. NIXL ``register_memory`` calls are counted in both processes by
+wrapping the method (the real one still runs), so "registrations" covers xoscar's
+channel and our agents alike.
+
+Run from the repository root:
+
+  python benchmark/transport_benchmark.py --device cpu [--loads 200] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import xoscar as xo
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from xinference.model.llm.vllm.xavier.gpu_transfer import (  # noqa: E402
+    chunk_row_index,
+)
+from xinference.model.llm.vllm.xavier.layout import (  # noqa: E402
+    BlockMajorCache,
+    detect_layout,
+)
+from xinference.model.llm.vllm.xavier.messages import (  # noqa: E402
+    KVGeometry,
+    PushRequest,
+)
+from xinference.model.llm.vllm.xavier.nixl_transport import (  # noqa: E402
+    PLACEMENT_ENGINE,
+    PLACEMENT_SLAB,
+    NixlAgentEndpoint,
+    NixlDirectTransport,
+    NixlEndpointInfo,
+    NixlSource,
+)
+from xinference.model.llm.vllm.xavier.transport import (  # noqa: E402
+    XoscarSlabTransport,
+)
+
+KiB = 1024
+MiB = 1024 * KiB
+# Qwen2.5-0.5B, BF16: 24 layers; K and V of 2 KV heads x 16 tokens x head dim 64.
+LAYERS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM = 24, 2, 16, 64
+GEOMETRY = KVGeometry(
+    num_layers=LAYERS,
+    layer_block_nbytes=2 * KV_HEADS * BLOCK_TOKENS * HEAD_DIM * 2,
+    logical_dtype="bfloat16",
+    block_size=BLOCK_TOKENS,
+)
+SIZES = (1, 16, 64)
+HOLDER_SLOTS = 96  # 18 MiB of store rows
+ENGINE_BLOCKS = 96
+CASES = ("xoscar", "nixl-slab", "nixl-engine", "nixl-slab-rpc")
+HOLDER_UID = "transport-bench-holder"
+LOADER_UID = "transport-bench-loader"
+RPC_TIMEOUT_S = 30.0
+
+_registration_calls = [0]  # NIXL register_memory calls in this process
+
+
+def _install_registration_counter() -> None:
+    from nixl._api import nixl_agent
+
+    if getattr(nixl_agent.register_memory, "_counted", False):
+        return
+    real = nixl_agent.register_memory
+
+    def counted(agent: Any, *args: Any, **kwargs: Any) -> Any:
+        _registration_calls[0] += 1
+        return real(agent, *args, **kwargs)
+
+    counted._counted = True  # type: ignore[attr-defined]
+    nixl_agent.register_memory = counted
+
+
+def engine_tensors(layout: str, device: str) -> list[torch.Tensor]:
+    """Per-layer KV tensors of ``ENGINE_BLOCKS`` blocks, views of one allocation."""
+    per_layer = ENGINE_BLOCKS * GEOMETRY.layer_block_nbytes // 2
+    flat = torch.zeros(LAYERS * per_layer, dtype=torch.bfloat16, device=device)
+    layers = [flat[i * per_layer : (i + 1) * per_layer] for i in range(LAYERS)]
+    nb, h, t, d = ENGINE_BLOCKS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM
+    if layout == "cpu":
+        return [x.view(nb, h, t, 2 * d) for x in layers]
+    if layout == "block_first":
+        return [x.view(nb, 2, t, h, d) for x in layers]
+    if layout == "kv_first":
+        return [x.view(2, nb, t, h, d) for x in layers]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _fence(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class BenchPeer(xo.StatelessActor):
+    def __init__(self, device: str, layout: str, torch_threads: int) -> None:
+        super().__init__()
+        if torch_threads > 0:
+            # Idle intra-op threads spin and compete with UCX's progress thread.
+            torch.set_num_threads(torch_threads)
+        self._device = torch.device(device)
+        rows = (HOLDER_SLOTS * LAYERS, GEOMETRY.layer_block_nbytes)
+        gen = torch.Generator().manual_seed(1234)
+        self.rows = torch.randint(0, 256, rows, dtype=torch.uint8, generator=gen).to(
+            self._device
+        )
+        tensors = engine_tensors(layout, device)
+        self.engine = tensors
+        self.cache = BlockMajorCache(
+            tensors, detect_layout(tensors, ENGINE_BLOCKS, layout)
+        )
+        self.transports: dict[str, Any] = {}
+        self._holder: Any = None
+
+    async def __post_create__(self) -> None:
+        self.transports["xoscar"] = XoscarSlabTransport(
+            self.address, self._device, GEOMETRY, RPC_TIMEOUT_S
+        )
+        # One endpoint (one agent, one registration of each region) serves both
+        # placements, as it would in one transfer actor.
+        endpoint = await NixlAgentEndpoint.create(
+            f"bench-{os.getpid()}",
+            row_bytes=GEOMETRY.layer_block_nbytes,
+            store_rows=self.rows,
+            slab_bytes=12 * MiB,
+            engine_layers=self.engine,
+            engine_block_axis=self.cache.layout.block_axis,
+        )
+        for name, placement in (
+            ("nixl-slab", PLACEMENT_SLAB),
+            ("nixl-engine", PLACEMENT_ENGINE),
+        ):
+            self.transports[name] = NixlDirectTransport(
+                endpoint, GEOMETRY, rpc_timeout_s=RPC_TIMEOUT_S, placement=placement
+            )
+        self.transports["nixl-slab-rpc"] = self.transports["nixl-slab"]
+
+    async def __pre_destroy__(self) -> None:
+        for transport in set(self.transports.values()):
+            await transport.close()
+
+    def instrument(self) -> None:
+        _install_registration_counter()
+
+    def snapshot(self, case: str) -> dict[str, int]:
+        return {
+            "registration_calls": _registration_calls[0],
+            **self.transports[case].counters(),
+        }
+
+    def ucx_report(self) -> str:
+        report = self.transports["nixl-slab"].endpoint.ucx_report
+        return report.describe() if report is not None else "no report"
+
+    # ---- holder ---------------------------------------------------------------------
+
+    async def push_rows(self, req: PushRequest) -> None:
+        index = chunk_row_index(
+            [int.from_bytes(k, "big") * LAYERS for k in req.keys],
+            LAYERS,
+            req.first_row,
+            req.num_rows,
+        )
+        await self.transports["xoscar"].serve(req, self.rows, index)
+
+    async def nixl_endpoint_info(self) -> NixlEndpointInfo:
+        return self.transports["nixl-slab"].endpoint.info
+
+    async def nixl_source(self, lease_id: str, keys: list[bytes]) -> NixlSource:
+        endpoint = self.transports["nixl-slab"].endpoint
+        return endpoint.source([int.from_bytes(k, "big") * LAYERS for k in keys])
+
+    # ---- loader ---------------------------------------------------------------------
+
+    def clear(self) -> None:
+        for tensor in self.engine:
+            tensor.zero_()
+        _fence(self._device)
+
+    async def load(
+        self,
+        case: str,
+        holder_address: str,
+        slots: list[int],
+        blocks: list[int],
+        n: int,
+    ) -> list[float]:
+        """``n`` loads of ``slots`` into engine ``blocks``; seconds per load."""
+        if self._holder is None:
+            self._holder = await xo.actor_ref(holder_address, HOLDER_UID)
+        transport = self.transports[case]
+        keys = [s.to_bytes(16, "big") for s in slots]
+        scatter = self._scatter(blocks)
+        extra: dict[str, Any] = {}
+        if case in ("nixl-slab", "nixl-engine"):
+            # What the lease grant would carry (see the integration notes): no RPC.
+            source = await self._holder.nixl_source("bench", keys)
+            extra = {"source": source, "dst_block_ids": blocks}
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await transport.load(self._holder, 0, "bench", keys, scatter, **extra)
+            # the engine may read the blocks only once every write has completed
+            _fence(self._device)
+            times.append(time.perf_counter() - start)
+        return times
+
+    def _scatter(self, blocks: list[int]):
+        """The transfer actor's scatter: consecutive global rows into engine blocks,
+        one index_copy per layer."""
+        destinations = torch.tensor(blocks, dtype=torch.long)
+        cache = self.cache
+
+        def scatter(first_row: int, rows: torch.Tensor) -> None:
+            n = rows.shape[0]
+            for layer in range(LAYERS):
+                offset = (layer - first_row) % LAYERS
+                if offset >= n:
+                    continue
+                first_key = (first_row + offset) // LAYERS
+                count = len(range(offset, n, LAYERS))
+                cache.scatter(
+                    layer,
+                    destinations[first_key : first_key + count],
+                    rows[offset::LAYERS],
+                )
+
+        return scatter
+
+    def verify(self, holder_rows: bytes, slots: list[int], blocks: list[int]) -> bool:
+        source = torch.frombuffer(bytearray(holder_rows), dtype=torch.uint8).view(
+            -1, GEOMETRY.layer_block_nbytes
+        )
+        for slot, block in zip(slots, blocks, strict=True):
+            index = torch.tensor([block], dtype=torch.long)
+            got = torch.cat([self.cache.gather(i, index) for i in range(LAYERS)]).cpu()
+            if not torch.equal(got, source[slot * LAYERS : (slot + 1) * LAYERS]):
+                return False
+        return True
+
+    def rows_bytes(self) -> bytes:
+        return self.rows.cpu().numpy().tobytes()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def run_case(
+    case: str,
+    blocks: int,
+    holder: Any,
+    loader: Any,
+    holder_address: str,
+    holder_rows: bytes,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    # holder slots from the back, destination blocks reversed: nothing lines up
+    slots = list(range(HOLDER_SLOTS - blocks, HOLDER_SLOTS))
+    dst = list(range(blocks - 1, -1, -1))
+    await loader.clear()
+    await loader.load(case, holder_address, slots, dst, args.warmup)
+    before = (await holder.snapshot(case), await loader.snapshot(case))
+    times = await loader.load(case, holder_address, slots, dst, args.loads)
+    after = (await holder.snapshot(case), await loader.snapshot(case))
+    if not await loader.verify(holder_rows, slots, dst):
+        raise RuntimeError(f"{case}, {blocks} blocks: engine blocks differ from source")
+    delta = {k: after[1][k] - before[1][k] for k in after[1]}
+    registrations = (
+        after[0]["registration_calls"]
+        - before[0]["registration_calls"]
+        + delta["registration_calls"]
+    )
+    return {
+        "case": case,
+        "blocks": blocks,
+        "payload_bytes": blocks * GEOMETRY.block_nbytes,
+        "loads": len(times),
+        "p50_us": 1e6 * statistics.median(times),
+        "p95_us": 1e6 * _percentile(times, 0.95),
+        "mean_us": 1e6 * statistics.fmean(times),
+        "wire_bytes": delta["received_wire_bytes"],
+        "useful_bytes": delta["received_useful_bytes"],
+        "wire_over_useful": delta["received_wire_bytes"]
+        / max(delta["received_useful_bytes"], 1),
+        "copies_per_load": delta["received_copies"] / len(times),
+        "descriptors_per_load": (
+            delta["descriptors"] / len(times) if "descriptors" in delta else None
+        ),
+        "registrations_after_warmup": registrations,
+        "verified": True,
+    }
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def print_table(results: list[dict[str, Any]], header: str) -> None:
+    print(header)
+    print()
+    print(
+        "| transport | blocks | payload | p50 us | p95 us | wire/useful | "
+        "copies/load | descriptors/load | registrations after warm-up |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        descriptors = (
+            "-"
+            if r["descriptors_per_load"] is None
+            else f"{r['descriptors_per_load']:.0f}"
+        )
+        print(
+            f"| {r['case']} | {r['blocks']} | {_size(r['payload_bytes'])} | "
+            f"{r['p50_us']:.0f} | {r['p95_us']:.0f} | {r['wire_over_useful']:.2f} | "
+            f"{r['copies_per_load']:.0f} | {descriptors} | "
+            f"{r['registrations_after_warmup']} |"
+        )
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    layout = args.layout or ("kv_first" if device.type == "cuda" else "cpu")
+    pool = await xo.create_actor_pool(
+        "127.0.0.1", n_process=2, external_address_schemes=["nixl"] * 3
+    )
+    async with pool:
+        holder_address, loader_address = list(pool.sub_processes)
+        peers = []
+        for address, uid in (
+            (holder_address, HOLDER_UID),
+            (loader_address, LOADER_UID),
+        ):
+            peers.append(
+                await xo.create_actor(
+                    BenchPeer,
+                    args.device,
+                    layout,
+                    args.torch_threads,
+                    address=address,
+                    uid=uid,
+                )
+            )
+        holder, loader = peers
+        await holder.instrument()
+        await loader.instrument()
+        holder_rows = await holder.rows_bytes()
+        cases = args.cases.split(",") if args.cases else list(CASES)
+        results = []
+        for blocks in SIZES:
+            for case in cases:
+                results.append(
+                    await run_case(
+                        case, blocks, holder, loader, holder_address, holder_rows, args
+                    )
+                )
+        ucx = await loader.ucx_report()
+    return {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "engine_layout": layout,
+        "torch": torch.__version__,
+        "xoscar": importlib.metadata.version("xoscar"),
+        "nixl": importlib.metadata.version("nixl"),
+        "ucx": ucx,
+        "ucx_tls": os.environ.get("UCX_TLS", "(unset)"),
+        "warmup": args.warmup,
+        "loads": args.loads,
+        "results": results,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--loads", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
+        "--cases", default="", help=f"comma-separated subset of {','.join(CASES)}"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("cpu", "block_first", "kv_first"),
+        default=None,
+        help="engine KV layout (default: cpu on CPU, kv_first on CUDA)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads per process (0: torch's default)",
+    )
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args()
+    if args.loads < 1 or args.warmup < 1:
+        parser.error("--loads and --warmup must be at least 1")
+    report = asyncio.run(run(args))
+    header = (
+        f"device {report['device']}"
+        + (f" ({report['gpu']})" if report["gpu"] else "")
+        + f", engine layout {report['engine_layout']}, torch {report['torch']}, "
+        f"xoscar {report['xoscar']}, nixl {report['nixl']}, UCX_TLS "
+        f"{report['ucx_tls']}; {report['loads']} loads after {report['warmup']} "
+        f"warm-up per case\n{report['ucx']}"
+    )
+    print_table(report["results"], header)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(report, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

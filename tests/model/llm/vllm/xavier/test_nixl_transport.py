@@ -1,0 +1,430 @@
+"""The direct NIXL transport with real agents in two processes.
+
+Each test runs two xoscar sub-pools on ``nixl://`` addresses; the actors
+(``transport_peers.py``) own a ``NixlDirectTransport`` each, so every load below is a
+real NIXL READ between two processes (DRAM on CPU tensors, VRAM on CUDA tensors).
+The pure planning helpers are tested first, without NIXL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.messages import KVGeometry
+from xinference.model.llm.vllm.xavier.nixl_transport import (
+    PLACEMENT_ENGINE,
+    PLACEMENT_SLAB,
+    EngineBlockMap,
+    NixlRegion,
+    NixlTransferError,
+    NixlTransferTimeout,
+    plan_engine_read,
+    plan_slab_read,
+)
+
+from ._support import all_bf16_patterns
+from .transport_peers import PeerSpec, transport_pair
+
+KiB = 1024
+# Two layers of 4 KiB rows: 65,536 BF16 values (128 KiB) fill 16 snapshots exactly.
+GEOMETRY = KVGeometry(
+    num_layers=2, layer_block_nbytes=4 * KiB, logical_dtype="bfloat16"
+)
+CUDA_SKIP = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)"
+)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_SKIP])]
+
+
+def random_bytes(nbytes: int, seed: int) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        .numpy()
+        .tobytes()
+    )
+
+
+def rows_of(data: bytes, slot: int, geometry: KVGeometry = GEOMETRY) -> bytes:
+    n = geometry.block_nbytes
+    return data[slot * n : (slot + 1) * n]
+
+
+# ---- planning, without NIXL ---------------------------------------------------------
+
+STORE = NixlRegion("DRAM", 1 << 20, 64 * 4096, 0)
+SLAB = NixlRegion("DRAM", 1 << 30, 8 * 4096, 0)
+
+
+def test_slab_plan_is_one_descriptor_per_contiguous_run() -> None:
+    """Keys in consecutive holder slots read as one run; a gap starts another."""
+    plan = plan_slab_read([0, 2, 4, 10], 2, 4096, STORE, SLAB, 0, 8)
+    assert plan.descriptors == 2
+    assert plan.nbytes == 8 * 4096
+    local, remote = plan.local.tolist(), plan.remote.tolist()
+    assert remote == [
+        [STORE.address, 6 * 4096, 0],
+        [STORE.address + 10 * 4096, 2 * 4096, 0],
+    ]
+    assert local == [
+        [SLAB.address, 6 * 4096, 0],
+        [SLAB.address + 6 * 4096, 2 * 4096, 0],
+    ]
+
+
+def test_slab_plan_chunk_starts_inside_a_key() -> None:
+    """A chunk may begin at any global row: row 3 is layer 1 of the second key."""
+    plan = plan_slab_read([20, 40], 2, 4096, STORE, SLAB, 3, 1)
+    assert plan.remote.tolist() == [[STORE.address + 41 * 4096, 4096, 0]]
+    assert plan.local.tolist() == [[SLAB.address, 4096, 0]]
+
+
+def test_slab_plan_refuses_more_rows_than_the_slab() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_slab_read([0] * 5, 2, 4096, STORE, SLAB, 0, 9)
+
+
+def engine_tensors(layout: str, num_blocks: int = 8) -> list[torch.Tensor]:
+    flat = torch.zeros(2 * num_blocks * 2048, dtype=torch.bfloat16)
+    per_layer = num_blocks * 2048
+    layers = [flat[i * per_layer : (i + 1) * per_layer] for i in range(2)]
+    if layout == "block_first":
+        return [t.view(num_blocks, 2, 16, 2, 32) for t in layers]
+    return [t.view(2, num_blocks, 16, 2, 32) for t in layers]
+
+
+def test_engine_map_block_first_is_one_piece_per_block() -> None:
+    layers = engine_tensors("block_first")
+    engine = EngineBlockMap.from_layers(layers, 0, 4096)
+    assert engine.segment_offsets == (0,)
+    assert engine.segment_nbytes == 4096
+    assert engine.block_stride == 4096
+    assert engine.layer_bases == tuple(t.data_ptr() for t in layers)
+    # both layers are views of one allocation: one region
+    assert len(engine.regions) == 1
+
+
+def test_engine_map_kv_first_is_two_pieces_per_block() -> None:
+    """(2, blocks, ...): K of a block and its V are num_blocks * 2 KiB apart."""
+    layers = engine_tensors("kv_first", num_blocks=8)
+    engine = EngineBlockMap.from_layers(layers, 1, 4096)
+    assert engine.segment_offsets == (0, 8 * 2048)
+    assert engine.segment_nbytes == 2048
+    assert engine.block_stride == 2048
+
+
+def test_engine_map_refuses_a_wrong_row_size() -> None:
+    with pytest.raises(ValueError, match="geometry says"):
+        EngineBlockMap.from_layers(engine_tensors("block_first"), 0, 8192)
+
+
+def test_engine_plan_addresses_every_piece_exactly() -> None:
+    layers = engine_tensors("kv_first", num_blocks=8)
+    engine = EngineBlockMap.from_layers(layers, 1, 4096)
+    plan = plan_engine_read([4, 0], [5, 2], 2, 4096, STORE, engine)
+    # 2 keys x 2 layers x (K, V), none adjacent on both sides
+    assert plan.descriptors == 8
+    assert plan.nbytes == 2 * 2 * 4096
+    expected = []
+    for row, block in ((4, 5), (0, 2)):
+        for layer in range(2):
+            for piece in range(2):
+                remote = STORE.address + (row + layer) * 4096 + piece * 2048
+                local = layers[layer].data_ptr() + block * 2048 + piece * 8 * 2048
+                expected.append(([local, 2048, 0], [remote, 2048, 0]))
+    assert list(zip(plan.local.tolist(), plan.remote.tolist(), strict=True)) == [
+        (list(a), list(b)) for a, b in expected
+    ]
+    assert np.all(plan.local[:, 1] == plan.remote[:, 1])
+
+
+# ---- real agents in two processes ---------------------------------------------------
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", [PLACEMENT_SLAB, PLACEMENT_ENGINE])
+async def test_every_bf16_bit_pattern_arrives_exactly(
+    device: str, placement: str
+) -> None:
+    """All 65,536 BF16 patterns (NaNs, infinities, subnormals, -0) in 16 snapshots,
+    read in one load, arrive bit for bit: into the slab and scatter, or straight
+    into engine blocks."""
+    patterns = all_bf16_patterns().view(torch.uint8).numpy().tobytes()
+    assert len(patterns) == 16 * GEOMETRY.block_nbytes
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        device=device,
+        num_slots=16,
+        placement=placement,
+        engine_layout="block_first",
+        engine_blocks=32,
+    )
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, patterns)
+        slots = list(range(16))
+        dst_blocks = [31 - s for s in slots]  # reversed, so nothing lines up by chance
+        await loader.load(holder_address, slots, dst_blocks=dst_blocks)
+        if placement == PLACEMENT_SLAB:
+            got = await loader.read_dest(0, 16 * GEOMETRY.num_layers)
+        else:
+            got = b"".join([await loader.read_engine_block(b) for b in dst_blocks])
+        assert got == patterns
+        counters = await loader.counters()
+        assert counters["engine_placed_loads"] == (placement == PLACEMENT_ENGINE)
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("device", DEVICES)
+async def test_wire_bytes_equal_useful_bytes(device: str) -> None:
+    """Loads of 1, 3 and 7 snapshots from scattered holder slots: every READ moves
+    exactly the payload, in one descriptor per contiguous run of holder rows."""
+    data = random_bytes(16 * GEOMETRY.block_nbytes, seed=3)
+    spec = PeerSpec("nixl", GEOMETRY, device=device, num_slots=16)
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        expected_descriptors = 0
+        for batch, runs in (([5], 1), ([1, 2, 3], 1), ([9, 10, 0, 1, 2, 14, 3], 4)):
+            before = await loader.counters()
+            await loader.load(holder_address, batch, dst_slots=list(range(len(batch))))
+            after = await loader.counters()
+            useful = len(batch) * GEOMETRY.block_nbytes
+            assert (
+                after["received_useful_bytes"] - before["received_useful_bytes"]
+                == useful
+            )
+            assert (
+                after["received_wire_bytes"] - before["received_wire_bytes"] == useful
+            )
+            assert after["descriptors"] - before["descriptors"] == runs
+            expected_descriptors += runs
+            for i, slot in enumerate(batch):
+                got = await loader.read_dest(
+                    i * GEOMETRY.num_layers, GEOMETRY.num_layers
+                )
+                assert got == rows_of(data, slot)
+        assert (await loader.counters())["descriptors"] == expected_descriptors
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", [PLACEMENT_SLAB, PLACEMENT_ENGINE])
+async def test_no_registration_after_warm_up(device: str, placement: str) -> None:
+    """After the first load, loads of every size register no memory in either process
+    and load the holder's metadata no more (counted inside both processes by wrapping
+    nixl_agent.register_memory)."""
+    data = random_bytes(64 * GEOMETRY.block_nbytes, seed=5)
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        device=device,
+        num_slots=64,
+        placement=placement,
+        engine_layout="block_first",
+        engine_blocks=64,
+    )
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [0], dst_blocks=[0])  # warm-up
+        holder_calls = await holder.registration_calls()
+        loader_calls = await loader.registration_calls()
+        assert loader_calls >= 2  # store rows and slab (and the engine cache)
+        for n in (1, 16, 64, 1, 64, 16, 1):
+            slots = list(range(64 - n, 64))
+            await loader.load(holder_address, slots, dst_blocks=list(range(n)))
+        assert await holder.registration_calls() == holder_calls
+        assert await loader.registration_calls() == loader_calls
+        counters = await loader.counters()
+        assert counters["registration_changes"] == 0
+        assert counters["peer_metadata_loads"] == 1
+        assert counters["transfer_failures"] == counters["transfer_timeouts"] == 0
+
+
+@pytest.mark.nixl
+async def test_kv_first_engine_layout_reads_two_pieces_per_block_layer() -> None:
+    """A (2, blocks, ...) engine cache: K and V of a block are far apart, so each
+    (block, layer) is two descriptors, and each lands where layout.py reads it."""
+    data = random_bytes(8 * GEOMETRY.block_nbytes, seed=7)
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        num_slots=8,
+        placement=PLACEMENT_ENGINE,
+        engine_layout="kv_first",
+        engine_blocks=16,
+    )
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        slots, blocks = [2, 7, 3], [9, 0, 15]
+        await loader.load(holder_address, slots, dst_blocks=blocks)
+        for slot, block in zip(slots, blocks, strict=True):
+            assert await loader.read_engine_block(block) == rows_of(data, slot)
+        # untouched blocks stay zero
+        assert await loader.read_engine_block(1) == bytes(GEOMETRY.block_nbytes)
+        counters = await loader.counters()
+        assert counters["descriptors"] == len(slots) * GEOMETRY.num_layers * 2
+        assert counters["received_wire_bytes"] == len(slots) * GEOMETRY.block_nbytes
+
+
+@pytest.mark.nixl
+async def test_engine_placement_without_destination_blocks_uses_the_slab() -> None:
+    """A caller that gives no destination blocks gets the scatter path: the rows
+    arrive through the slab and scatter, still in one exact-size READ."""
+    data = random_bytes(4 * GEOMETRY.block_nbytes, seed=17)
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        num_slots=4,
+        placement=PLACEMENT_ENGINE,
+        engine_layout="block_first",
+        engine_blocks=8,
+    )
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [3, 1])
+        assert await loader.read_dest(6, 2) == rows_of(data, 3)
+        assert await loader.read_dest(2, 2) == rows_of(data, 1)
+        counters = await loader.counters()
+        assert counters["engine_placed_loads"] == 0
+        assert counters["received_wire_bytes"] == 2 * GEOMETRY.block_nbytes
+
+
+@pytest.mark.nixl
+async def test_metadata_is_loaded_again_only_after_the_holder_re_registers() -> None:
+    """The loader keeps the holder's metadata across loads; when the holder moves its
+    device tier (a new registration, a new generation), the next load fetches the
+    new metadata once and reads the new memory."""
+    data = random_bytes(4 * GEOMETRY.block_nbytes, seed=11)
+    spec = PeerSpec("nixl", GEOMETRY, num_slots=4)
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        for _ in range(3):
+            await loader.load(holder_address, [0, 1])
+        assert (await loader.counters())["peer_metadata_loads"] == 1
+        await holder.replace_store()
+        await holder.write_source(0, data[::-1])  # only the new memory has these
+        await loader.load(holder_address, [2, 3])
+        await loader.load(holder_address, [0])
+        counters = await loader.counters()
+        assert counters["peer_metadata_loads"] == 2
+        reversed_data = data[::-1]
+        assert await loader.read_dest(2 * 2, 4) == reversed_data[2 * 8192 : 4 * 8192]
+        assert await loader.read_dest(0, 2) == reversed_data[:8192]
+
+
+@pytest.mark.nixl
+async def test_startup_reports_the_ucx_transports() -> None:
+    """The endpoint lists UCX's resources; here shared-memory transports are among
+    them, so this is not a TCP fallback."""
+    spec = PeerSpec("nixl", GEOMETRY)
+    async with transport_pair(spec) as (holder, _, _):
+        report = await holder.ucx_report()
+        assert report["probe_error"] is None
+        assert "tcp" in report["transports"]
+        assert report["tcp_only"] is False
+        assert "UCX 1." in report["text"]
+
+
+@pytest.mark.nixl
+async def test_a_tcp_only_ucx_is_reported_as_such() -> None:
+    """With UCX_TLS=tcp the report says so: the fallback is visible at start."""
+    spec = PeerSpec("nixl", GEOMETRY)
+    envs = [{"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}]
+    async with transport_pair(spec, envs=envs) as (holder, _, _):
+        report = await holder.ucx_report()
+        assert report["env"]["UCX_TLS"] == "tcp"
+        assert set(report["transports"]) == {"tcp"}
+        assert report["tcp_only"] is True
+
+
+# ---- peers that die or stall --------------------------------------------------------
+
+# Over TCP a READ needs the holder's progress thread: it can stall, and it is slow
+# enough (tens of MB/s on this machine) that a kill lands mid-transfer.
+TCP_ENVS = [{"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}]
+# 64 snapshots of 2 x 256 KiB: a 32 MiB load, one slab of 64 blocks
+BIG = KVGeometry(num_layers=2, layer_block_nbytes=256 * KiB, logical_dtype="bfloat16")
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+async def test_a_holder_killed_mid_load_fails_the_load_within_the_deadline() -> None:
+    """The holder process dies while a 32 MiB READ from it is in flight: the load
+    fails with a NixlTransferError well within its deadline, instead of hanging."""
+    deadline_s = 10.0
+    spec = PeerSpec("nixl", BIG, num_slots=64, transfer_timeout_s=deadline_s)
+    async with transport_pair(spec, envs=TCP_ENVS) as (holder, loader, holder_address):
+        await loader.load(holder_address, [0])  # connected, metadata loaded
+        slots = list(range(64))
+        # Located beforehand, so the load goes straight to the READ.
+        source = await loader.fetch_source(holder_address, slots)
+        pid = await holder.pid()
+        load = asyncio.ensure_future(loader.load(holder_address, slots, source=source))
+        await asyncio.sleep(0.05)
+        assert not load.done(), "the READ ended before the kill; make it larger"
+        started = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(NixlTransferError) as failure:
+            await asyncio.wait_for(load, deadline_s + 10)
+        elapsed = time.monotonic() - started
+        assert elapsed < deadline_s, f"the failure took {elapsed:.1f} s"
+        assert "rank 0" in str(failure.value)
+        counters = await loader.counters()
+        assert counters["transfer_failures"] == 1
+        assert counters["transfer_timeouts"] == 0
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+async def test_a_stalled_holder_times_out_and_retires_the_slab() -> None:
+    """A holder that stops (SIGSTOP) never serves the READ: the load fails at its
+    deadline; further loads from it are refused at once while that READ is pending;
+    the receive slab it may still write is retired (one new registration). Once the
+    holder resumes, the READ ends and loads from it work again."""
+    deadline_s = 1.5
+    data = random_bytes(4 * GEOMETRY.block_nbytes, seed=13)
+    spec = PeerSpec("nixl", GEOMETRY, num_slots=4, transfer_timeout_s=deadline_s)
+    async with transport_pair(spec, envs=TCP_ENVS) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [0])
+        source = await loader.fetch_source(holder_address, [1, 2])
+        pid = await holder.pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(NixlTransferTimeout, match="did not complete"):
+                await asyncio.wait_for(
+                    loader.load(holder_address, [1, 2], source=source), deadline_s + 10
+                )
+            elapsed = time.monotonic() - started
+            assert deadline_s <= elapsed < deadline_s + 1.0
+            assert await loader.pending_orphans() == 1
+
+            started = time.monotonic()
+            with pytest.raises(NixlTransferError, match="refusing further loads"):
+                await asyncio.wait_for(
+                    loader.load(holder_address, [1, 2], source=source), 10
+                )
+            assert time.monotonic() - started < 0.5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The stalled READ ends once the holder runs again (into the retired slab).
+        for _ in range(200):
+            if await loader.pending_orphans() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await loader.pending_orphans() == 0
+        await loader.clear_dest()
+        await loader.load(holder_address, [1, 2])
+        assert await loader.read_dest(2, 4) == data[8192 : 3 * 8192]
+        counters = await loader.counters()
+        assert counters["transfer_timeouts"] == 1
+        assert counters["registration_changes"] == 1  # the fresh slab
