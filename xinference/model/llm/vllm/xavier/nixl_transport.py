@@ -64,6 +64,7 @@ import numpy as np
 import torch
 import xoscar as xo
 
+from .aio import finish_even_if_cancelled
 from .device import fence
 from .gpu_transfer import ScatterFn, full_slab_bytes
 from .hashing import BlockHash
@@ -859,7 +860,7 @@ class NixlAgentEndpoint:
             self._agent.make_connection(info.agent_name)
 
         try:
-            await _finish_even_if_cancelled(asyncio.to_thread(load))
+            await finish_even_if_cancelled(asyncio.to_thread(load))
         except self._nixl_errors as exc:
             raise NixlTransferError(
                 f"could not load the NIXL metadata of peer {info.agent_name}: {exc!r}"
@@ -907,7 +908,7 @@ class NixlAgentEndpoint:
             )
         if plan.descriptors == 0:
             return
-        await _finish_even_if_cancelled(
+        await finish_even_if_cancelled(
             self._read(
                 peer, plan, local_mem_type, remote_mem_type, timeout_s, into_slab
             )
@@ -1499,21 +1500,3 @@ def _mem_type(device: torch.device) -> str:
 
 def _device_id(device: torch.device) -> int:
     return (device.index or 0) if device.type == "cuda" else 0
-
-
-async def _finish_even_if_cancelled(work: Awaitable[T]) -> T:
-    """Await ``work`` to its end even if we are cancelled meanwhile, then re-raise
-    the cancellation: a READ, once posted, must end before its memory is reused."""
-    task = asyncio.ensure_future(work)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError()
-    return result

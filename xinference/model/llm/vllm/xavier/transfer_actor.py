@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 import xoscar as xo
 
+from .aio import finish_even_if_cancelled
 from .config import TRANSPORTS, transfer_actor_uid
 from .cpu_transfer import CpuRowsReply, gather_cpu_rows, load_cpu_rows
 from .device import SharedTensorHandles, fence, import_tensors, release_memory
@@ -287,7 +288,7 @@ class XavierTransferActor(xo.StatelessActor):
                     if slot is not None:
                         staged.append((slot, item.block_id))
                 if staged:
-                    await _finish_even_if_cancelled(
+                    await finish_even_if_cancelled(
                         asyncio.to_thread(_copy_blocks_into_store, cache, store, staged)
                     )
                     layers = range(self._geometry.num_layers)
@@ -552,14 +553,14 @@ class XavierTransferActor(xo.StatelessActor):
         req = load.request
         error: BaseException | None = None
         try:
-            await _finish_even_if_cancelled(self._transfer(load))
+            await finish_even_if_cancelled(self._transfer(load))
         except BaseException as exc:  # reported in the result, never swallowed
             error = exc
         try:
             # The scatters may only have queued device work; the engine (another
             # process) must not read these blocks, nor another load write them,
             # before it has completed.
-            await _finish_even_if_cancelled(
+            await finish_even_if_cancelled(
                 asyncio.to_thread(fence, self._require_cache().device)
             )
         except BaseException as exc:  # a sticky device error: the blocks are suspect
@@ -812,25 +813,6 @@ class _Tracked:
     async def __aexit__(self, *exc_info: object) -> None:
         if self._task is not None:
             self._tasks.discard(self._task)
-
-
-async def _finish_even_if_cancelled(work: Awaitable[T]) -> T:
-    """Await ``work`` to its end even if we are cancelled meanwhile, then re-raise
-    the cancellation. For work that writes memory someone else will reuse once we
-    return (a thread copying into store slots, a transfer into engine blocks)."""
-    task = asyncio.ensure_future(work)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError()
-    return result
 
 
 def _copy_blocks_into_store(
