@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
 from xinference.model.llm.vllm.xavier.block_tracker import BlockTrackerActor
 from xinference.model.llm.vllm.xavier.hashing import BlockHash, hash_full_blocks
 from xinference.model.llm.vllm.xavier.messages import (
@@ -24,7 +25,6 @@ from xinference.model.llm.vllm.xavier.messages import (
     ReplicaIdentity,
 )
 from xinference.model.llm.vllm.xavier.scheduler_side import (
-    BackgroundLoop,
     ScheduledRequest,
     SchedulerSettings,
     SchedulerSide,

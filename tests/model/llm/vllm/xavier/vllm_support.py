@@ -304,11 +304,11 @@ class XavierCluster:
         rpc_timeout_s: float = 5.0,
     ) -> None:
         ensure_importable()
+        from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
         from xinference.model.llm.vllm.xavier.block_tracker import (
             BlockTrackerActor,
             tracker_uid,
         )
-        from xinference.model.llm.vllm.xavier.scheduler_side import BackgroundLoop
 
         self.model_uid = model_uid
         self.num_replicas = num_replicas

@@ -19,97 +19,23 @@ blocks itself. Nothing here may stall the scheduler beyond one RPC deadline.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
-import xoscar as xo
-
+from .aio import BackgroundLoop, with_deadline
 from .hashing import BlockHash, hash_full_blocks
 from .messages import LeaseGrant, LoadRequest, PrefixHit, ReplicaIdentity, StageItem
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 # An incompatible holder stays incompatible until redeployed: ask again rarely.
 INCOMPATIBLE_BACKOFF_S = 600.0
-
-
-class BackgroundLoop:
-    """An asyncio loop in a daemon thread, for xoscar calls from synchronous vLLM code.
-
-    vLLM calls the connector from plain threads; xoscar's client API is async. Every
-    call through ``run`` carries a deadline, enforced inside the loop, so a dead peer
-    costs at most that long.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=name, daemon=True
-        )
-        self._thread.start()
-        self._closed = False
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop and return at once."""
-        if self._closed:
-            coro.close()
-            raise RuntimeError("the Xavier background loop is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def run(self, awaitable: Awaitable[T], timeout: float) -> T:
-        """Run ``awaitable`` on the loop and wait for it, at most ``timeout`` seconds.
-
-        Raises ``TimeoutError`` (and cancels the work) past the deadline.
-        """
-        future = self.submit(with_deadline(awaitable, timeout))
-        # The deadline is enforced in the loop; the extra second only guards
-        # against a loop that is itself stuck.
-        return future.result(timeout + 1.0)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Cancel what still runs on the loop (client connections...), then stop it."""
-        if self._closed:
-            return
-        self._closed = True
-
-        async def cancel_the_rest() -> None:
-            current = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not current]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=timeout)
-
-        try:
-            asyncio.run_coroutine_threadsafe(cancel_the_rest(), self._loop).result(
-                timeout + 1.0
-            )
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            pass  # stopping the loop below is all that is left to do
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-
-async def with_deadline(awaitable: Awaitable[T], timeout: float) -> T:
-    # xo.wait_for, not asyncio.wait_for: it gives up on time even when cancelling
-    # an actor call cannot reach a peer that stopped answering.
-    result: T = await xo.wait_for(awaitable, timeout)
-    return result
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,12 @@ global rows as a ``(n, R)`` ``uint8`` tensor that is valid only during the call.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-import xoscar as xo
 
+from .aio import with_deadline
 from .gpu_transfer import GPUTransfer, GPUTransferCounters
 from .hashing import BlockHash
 from .messages import KVGeometry, PushRequest
@@ -105,7 +105,7 @@ class XoscarSlabTransport:
     ) -> None:
         # The holder pushes into our slab: neither hint applies.
         async def push(req: PushRequest) -> None:
-            await _with_deadline(holder_ref.push_rows(req), self._rpc_timeout_s)
+            await with_deadline(holder_ref.push_rows(req), self._rpc_timeout_s)
 
         await self._runtime.load_rows(holder_rank, push, lease_id, keys, scatter)
 
@@ -120,12 +120,6 @@ class XoscarSlabTransport:
 
     async def close(self) -> None:
         await self._runtime.close()
-
-
-async def _with_deadline(call: Awaitable[Any], timeout_s: float) -> Any:
-    # xo.wait_for, not asyncio.wait_for: the latter can hang on an actor call whose
-    # cancellation never reaches an unresponsive peer.
-    return await xo.wait_for(call, timeout_s)
 
 
 async def create_device_tier_transport(

@@ -39,12 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from .aio import BackgroundLoop
 from .config import XavierReplicaSettings, transfer_actor_uid
 from .hashing import BlockHash, model_namespace
 from .layout import CPU_LAYOUT
 from .messages import LeaseGrant, PrefixHit, ReplicaIdentity
 from .scheduler_side import (
-    BackgroundLoop,
     ScheduledRequest,
     SchedulerSettings,
     SchedulerSide,

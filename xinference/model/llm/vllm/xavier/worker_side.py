@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from . import device
+from .aio import BackgroundLoop, with_deadline
 from .layout import BlockMajorCache, detect_layout
 from .messages import LoadResult, ReplicaIdentity, StageItem
-from .scheduler_side import BackgroundLoop, StepMetadata, with_deadline
+from .scheduler_side import StepMetadata
 
 logger = logging.getLogger(__name__)
 
