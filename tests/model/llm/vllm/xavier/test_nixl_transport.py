@@ -382,6 +382,21 @@ async def test_a_holder_killed_mid_load_fails_the_load_within_the_deadline() -> 
         assert counters["transfer_timeouts"] == 0
 
 
+def _wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Block until every thread of ``pid`` is stopped (state T), so that nothing in
+    the holder (UCX's progress thread included) can still serve a READ."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                states.add(stat.read().rsplit(")", 1)[1].split()[0])
+        if states <= {"T", "t"}:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s: {states}")
+
+
 @pytest.mark.nixl
 @pytest.mark.slow
 async def test_a_stalled_holder_times_out_and_retires_the_slab() -> None:
@@ -399,6 +414,7 @@ async def test_a_stalled_holder_times_out_and_retires_the_slab() -> None:
         pid = await holder.pid()
         os.kill(pid, signal.SIGSTOP)
         try:
+            _wait_until_stopped(pid)
             started = time.monotonic()
             with pytest.raises(NixlTransferTimeout, match="did not complete"):
                 await asyncio.wait_for(
