@@ -53,6 +53,10 @@ from xinference.model.llm.vllm.xavier.messages import (  # noqa: E402
     KVGeometry,
     PushRequest,
 )
+from xinference.model.llm.vllm.xavier.nixl_registrations import (
+    install_registration_counter,
+    registration_calls,
+)
 from xinference.model.llm.vllm.xavier.slab_selector import (  # noqa: E402
     FullSlabSelector,
     SlabPolicy,
@@ -83,23 +87,6 @@ CASES = {
     "sustained-small-old": ("small", "smallest"),
     "sustained-small-new": ("small", "streak"),
 }
-
-_registration_calls = [0]  # this process's NIXL register_memory calls
-
-
-def _install_registration_counter() -> None:
-    from nixl._api import nixl_agent
-
-    if getattr(nixl_agent.register_memory, "_counted", False):
-        return
-    real = nixl_agent.register_memory
-
-    def counted(agent: Any, *args: Any, **kwargs: Any) -> Any:
-        _registration_calls[0] += 1
-        return real(agent, *args, **kwargs)
-
-    counted._counted = True  # type: ignore[attr-defined]
-    nixl_agent.register_memory = counted
 
 
 def source_rows(device: str) -> torch.Tensor:
@@ -163,11 +150,11 @@ class BenchPeer(xo.StatelessActor):
         return GPUTransfer(self.address, self._device, GEOMETRY, selector=selector)
 
     def instrument(self) -> None:
-        _install_registration_counter()
+        install_registration_counter()
 
     def snapshot(self) -> dict[str, int]:
         return {
-            "registration_calls": _registration_calls[0],
+            "registration_calls": registration_calls(),
             **self.transfer.counters.as_dict(),
         }
 

@@ -57,6 +57,10 @@ from xinference.model.llm.vllm.xavier.messages import (  # noqa: E402
     KVGeometry,
     PushRequest,
 )
+from xinference.model.llm.vllm.xavier.nixl_registrations import (
+    install_registration_counter,
+    registration_calls,
+)
 from xinference.model.llm.vllm.xavier.nixl_transport import (  # noqa: E402
     PLACEMENT_ENGINE,
     PLACEMENT_SLAB,
@@ -86,23 +90,6 @@ CASES = ("xoscar", "nixl-slab", "nixl-engine", "nixl-slab-rpc")
 HOLDER_UID = "transport-bench-holder"
 LOADER_UID = "transport-bench-loader"
 RPC_TIMEOUT_S = 30.0
-
-_registration_calls = [0]  # NIXL register_memory calls in this process
-
-
-def _install_registration_counter() -> None:
-    from nixl._api import nixl_agent
-
-    if getattr(nixl_agent.register_memory, "_counted", False):
-        return
-    real = nixl_agent.register_memory
-
-    def counted(agent: Any, *args: Any, **kwargs: Any) -> Any:
-        _registration_calls[0] += 1
-        return real(agent, *args, **kwargs)
-
-    counted._counted = True  # type: ignore[attr-defined]
-    nixl_agent.register_memory = counted
 
 
 def engine_tensors(layout: str, device: str) -> list[torch.Tensor]:
@@ -173,11 +160,11 @@ class BenchPeer(xo.StatelessActor):
             await transport.close()
 
     def instrument(self) -> None:
-        _install_registration_counter()
+        install_registration_counter()
 
     def snapshot(self, case: str) -> dict[str, int]:
         return {
-            "registration_calls": _registration_calls[0],
+            "registration_calls": registration_calls(),
             **self.transports[case].counters(),
         }
 
@@ -245,18 +232,7 @@ class BenchPeer(xo.StatelessActor):
         cache = self.cache
 
         def scatter(first_row: int, rows: torch.Tensor) -> None:
-            n = rows.shape[0]
-            for layer in range(LAYERS):
-                offset = (layer - first_row) % LAYERS
-                if offset >= n:
-                    continue
-                first_key = (first_row + offset) // LAYERS
-                count = len(range(offset, n, LAYERS))
-                cache.scatter(
-                    layer,
-                    destinations[first_key : first_key + count],
-                    rows[offset::LAYERS],
-                )
+            cache.scatter_rows(first_row, rows, destinations)
 
         return scatter
 

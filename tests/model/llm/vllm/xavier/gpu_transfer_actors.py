@@ -26,6 +26,10 @@ from xinference.model.llm.vllm.xavier.gpu_transfer import (
     full_slab_bytes,
 )
 from xinference.model.llm.vllm.xavier.messages import KVGeometry, PushRequest
+from xinference.model.llm.vllm.xavier.nixl_registrations import (
+    install_registration_counter,
+    registration_calls,
+)
 from xinference.model.llm.vllm.xavier.slab_selector import (
     FullSlabSelector,
     SlabPolicy,
@@ -36,10 +40,6 @@ from xinference.model.llm.vllm.xavier.slab_selector import (
 HOLDER_UID = "transfer-test-holder"
 LOADER_UID = "transfer-test-loader"
 HOLDER_RANK = 0
-
-# process -> NIXL register_memory calls seen since instrumentation (one counter per
-# process: this module is imported once per sub-pool)
-_registration_calls = [0]
 
 
 def slot_key(slot: int) -> bytes:
@@ -58,21 +58,6 @@ def make_policy(name: str, full_bytes: int) -> SlabPolicy:
         "full": FullSlabSelector,
     }
     return policies[name](full_bytes)
-
-
-def _install_registration_counter() -> None:
-    from nixl._api import nixl_agent
-
-    if getattr(nixl_agent.register_memory, "_counted", False):
-        return
-    real = nixl_agent.register_memory
-
-    def counted(agent: Any, *args: Any, **kwargs: Any) -> Any:
-        _registration_calls[0] += 1
-        return real(agent, *args, **kwargs)
-
-    counted._counted = True  # type: ignore[attr-defined]
-    nixl_agent.register_memory = counted
 
 
 def scatter_into(
@@ -178,10 +163,10 @@ class TransferPeer(xo.StatelessActor):
     # ---- introspection ----------------------------------------------------------
 
     def instrument_registrations(self) -> None:
-        _install_registration_counter()
+        install_registration_counter()
 
     def registration_calls(self) -> int:
-        return _registration_calls[0]
+        return registration_calls()
 
     def counters(self) -> dict[str, int]:
         return self.transfer.counters.as_dict()

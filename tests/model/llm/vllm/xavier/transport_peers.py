@@ -32,6 +32,10 @@ import xoscar as xo
 from xinference.model.llm.vllm.xavier.gpu_transfer import chunk_row_index
 from xinference.model.llm.vllm.xavier.layout import BlockMajorCache, detect_layout
 from xinference.model.llm.vllm.xavier.messages import KVGeometry, PushRequest
+from xinference.model.llm.vllm.xavier.nixl_registrations import (
+    install_registration_counter,
+    registration_calls,
+)
 from xinference.model.llm.vllm.xavier.nixl_transport import (
     PLACEMENT_SLAB,
     NixlDirectTransport,
@@ -43,10 +47,6 @@ from xinference.model.llm.vllm.xavier.transport import XoscarSlabTransport
 HOLDER_UID = "transport-test-holder"
 LOADER_UID = "transport-test-loader"
 HOLDER_RANK = 0
-
-# NIXL register_memory calls seen in this process since instrumentation (one counter
-# per process: this module is imported once per sub-pool)
-_registration_calls = [0]
 
 
 def slot_key(slot: int) -> bytes:
@@ -75,21 +75,6 @@ class PeerSpec:
     engine_blocks: int = 0
     rpc_timeout_s: float = 20.0
     transfer_timeout_s: float | None = None
-
-
-def _install_registration_counter() -> None:
-    from nixl._api import nixl_agent
-
-    if getattr(nixl_agent.register_memory, "_counted", False):
-        return
-    real = nixl_agent.register_memory
-
-    def counted(agent: Any, *args: Any, **kwargs: Any) -> Any:
-        _registration_calls[0] += 1
-        return real(agent, *args, **kwargs)
-
-    counted._counted = True  # type: ignore[attr-defined]
-    nixl_agent.register_memory = counted
 
 
 def _engine_tensors(spec: PeerSpec) -> list[torch.Tensor]:
@@ -287,10 +272,10 @@ class TransportPeer(xo.StatelessActor):
         return os.getpid()
 
     def instrument_registrations(self) -> None:
-        _install_registration_counter()
+        install_registration_counter()
 
     def registration_calls(self) -> int:
-        return _registration_calls[0]
+        return registration_calls()
 
     def counters(self) -> dict[str, int]:
         return self.transport.counters()
@@ -359,4 +344,4 @@ class RegistrationCounter(xo.StatelessActor):
     """Installs the register_memory counter in its process before any agent exists."""
 
     def install(self) -> None:
-        _install_registration_counter()
+        install_registration_counter()

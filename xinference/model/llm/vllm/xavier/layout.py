@@ -290,6 +290,30 @@ class BlockMajorCache:
             blocks = blocks.movedim(0, axis)
         self._layers[layer].index_copy_(axis, index, blocks)
 
+    def scatter_rows(
+        self, first_row: int, rows: torch.Tensor, destinations: torch.Tensor
+    ) -> None:
+        """Write consecutive global rows into engine blocks, one copy per layer.
+
+        Global row ``r`` is layer ``r % num_layers`` of the ``r // num_layers``-th
+        snapshot, whose engine block is ``destinations[r // num_layers]``; ``rows``
+        ``(n, R)`` holds rows ``first_row .. first_row + n - 1`` (a transfer chunk).
+        """
+        num_layers = self.num_layers
+        n = rows.shape[0]
+        for layer in range(num_layers):
+            # Rows of this layer: every num_layers-th row from the first one.
+            offset = (layer - first_row) % num_layers
+            if offset >= n:
+                continue
+            first_key = (first_row + offset) // num_layers
+            count = len(range(offset, n, num_layers))
+            self.scatter(
+                layer,
+                destinations[first_key : first_key + count],
+                rows[offset::num_layers],
+            )
+
     def _check_index(self, block_ids: torch.Tensor) -> torch.Tensor:
         if block_ids.dtype != torch.long or block_ids.dim() != 1:
             raise ValueError(

@@ -659,25 +659,12 @@ class XavierTransferActor(xo.StatelessActor):
     def _row_scatter(self, load: _Load, dst_blocks: Sequence[int]) -> RowScatter:
         """Scatter of global rows over ``dst_blocks``' keys into the engine cache."""
         cache = self._require_cache()
-        num_layers = self._geometry.num_layers
         destinations = torch.tensor(list(dst_blocks), dtype=torch.long)
 
         def scatter(first_row: int, rows: torch.Tensor) -> None:
             if load.cancel_requested:
                 raise LoadCancelled(f"load {load.request.load_id!r} was cancelled")
-            n = rows.shape[0]
-            for layer in range(num_layers):
-                # Rows of this layer: every num_layers-th row from the first one.
-                offset = (layer - first_row) % num_layers
-                if offset >= n:
-                    continue
-                first_key = (first_row + offset) // num_layers
-                count = len(range(offset, n, num_layers))
-                cache.scatter(
-                    layer,
-                    destinations[first_key : first_key + count],
-                    rows[offset::num_layers],
-                )
+            cache.scatter_rows(first_row, rows, destinations)
             # ``rows`` may be a transfer slab that the next chunk overwrites as soon
             # as we return: on a device, the copies out of it must be complete. A
             # short wait (small copies just queued), so it stays on the loop.
