@@ -28,6 +28,7 @@ from xinference.model.llm.vllm.xavier.nixl_transport import (
     NixlTransferTimeout,
     plan_engine_read,
     plan_slab_read,
+    ucx_settings,
 )
 
 from ._support import all_bf16_patterns
@@ -90,6 +91,56 @@ def test_slab_plan_chunk_starts_inside_a_key() -> None:
 def test_slab_plan_refuses_more_rows_than_the_slab() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         plan_slab_read([0] * 5, 2, 4096, STORE, SLAB, 0, 9)
+
+
+def row_by_row_plan(
+    first_rows: list[int], num_layers: int, row_bytes: int, first: int, count: int
+) -> list[tuple[int, int, int]]:
+    """(slab address, holder address, length) per row, merged where both sides
+    continue: the slab plan's reference."""
+    pieces: list[list[int]] = []
+    for i, row in enumerate(range(first, first + count)):
+        key, layer = divmod(row, num_layers)
+        remote = STORE.address + (first_rows[key] + layer) * row_bytes
+        local = SLAB.address + i * row_bytes
+        last = pieces[-1] if pieces else None
+        if last and last[0] + last[2] == local and last[1] + last[2] == remote:
+            last[2] += row_bytes
+        else:
+            pieces.append([local, remote, row_bytes])
+    return [tuple(p) for p in pieces]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slab_plan_matches_the_row_by_row_reference(seed: int) -> None:
+    """Random chunks of random key orders, some stored back to back, some not."""
+    rng = np.random.default_rng(seed)
+    for _ in range(250):
+        num_layers = int(rng.choice([1, 2, 3, 8]))
+        slots = STORE.nbytes // (64 * num_layers)
+        keys = int(rng.integers(1, 13))
+        if rng.random() < 0.4:
+            start = int(rng.integers(0, slots - keys))
+            order = list(range(start, start + keys))
+        else:
+            order = [int(k) for k in rng.choice(slots, keys, replace=False)]
+        first_rows = [k * num_layers for k in order]
+        total = keys * num_layers
+        first = int(rng.integers(0, total))
+        count = int(rng.integers(1, total - first + 1))
+        plan = plan_slab_read(first_rows, num_layers, 64, STORE, SLAB, first, count)
+        expected = row_by_row_plan(first_rows, num_layers, 64, first, count)
+        got = list(
+            zip(
+                plan.local[:, 0].tolist(),
+                plan.remote[:, 0].tolist(),
+                plan.local[:, 1].tolist(),
+                strict=True,
+            )
+        )
+        assert got == expected
+        assert plan.nbytes == count * 64
+        assert plan.remote[:, 1].tolist() == plan.local[:, 1].tolist()
 
 
 def engine_tensors(layout: str, num_blocks: int = 8) -> list[torch.Tensor]:
@@ -344,6 +395,88 @@ async def test_a_tcp_only_ucx_is_reported_as_such() -> None:
         assert report["env"]["UCX_TLS"] == "tcp"
         assert set(report["transports"]) == {"tcp"}
         assert report["tcp_only"] is True
+
+
+@pytest.mark.nixl
+async def test_meeting_a_peer_reads_one_row_from_it_once() -> None:
+    """The first load from a holder starts with one READ of a row (the path check):
+    its outcome is kept per peer, and later loads do not repeat it."""
+    data = random_bytes(2 * GEOMETRY.block_nbytes, seed=17)
+    spec = PeerSpec("nixl", GEOMETRY, num_slots=2)
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [0])
+        await loader.load(holder_address, [1])
+        paths = await loader.peer_paths()
+        assert len(paths) == 1
+        (path,) = paths.values()
+        assert path["local_mem_type"] == path["remote_mem_type"] == "DRAM"
+        assert path["nbytes"] == GEOMETRY.layer_block_nbytes
+        assert path["zero_copy_only"] is False  # UCX's defaults on DRAM
+        counters = await loader.counters()
+        assert counters["peer_metadata_loads"] == 1
+        assert counters["descriptors"] == 2  # the two loads, not the check
+        assert await loader.read_dest(0, 4) == data
+
+
+@pytest.mark.nixl
+async def test_without_emulation_a_tcp_only_read_fails_at_the_peer_check() -> None:
+    """UCX_PROTO_EMULATION_ENABLE=n (what a VRAM endpoint sets) with UCX_TLS=tcp:
+    UCX has no zero-copy READ over TCP here, so the first load fails at the peer
+    check, fast, with a message that names the cause (NIXL itself reports a remote
+    disconnect). The next load checks again rather than trusting the peer."""
+    spec = PeerSpec("nixl", GEOMETRY, num_slots=2, transfer_timeout_s=10.0)
+    env = {"UCX_TLS": "tcp", "UCX_PROTO_EMULATION_ENABLE": "n"}
+    async with transport_pair(spec, envs=[env, env]) as (_, loader, holder_address):
+        for attempt in (1, 2):
+            started = time.monotonic()
+            with pytest.raises(NixlTransferError) as failure:
+                await loader.load(holder_address, [0])
+            assert time.monotonic() - started < 5.0
+            message = str(failure.value)
+            assert "the first READ from peer" in message
+            assert "DRAM->DRAM" in message
+            assert "UCX_PROTO_EMULATION_ENABLE=y" in message
+            assert (await loader.peer_paths()) == {}
+            counters = await loader.counters()
+            assert counters["transfer_failures"] == attempt
+            assert counters["descriptors"] == 0
+
+
+def test_ucx_settings_fill_in_only_what_the_environment_leaves_unset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("UCX_PROTO_EMULATION_ENABLE", "y")
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    settings = (
+        ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on"),
+        ("UCX_PROTO_EMULATION_ENABLE", "n"),
+    )
+    with ucx_settings(settings) as applied:
+        assert applied == (("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on"),)
+        assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+        assert os.environ["UCX_PROTO_EMULATION_ENABLE"] == "y"
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ
+    assert os.environ["UCX_PROTO_EMULATION_ENABLE"] == "y"
+
+
+@pytest.mark.nixl
+@pytest.mark.cuda
+@CUDA_SKIP
+async def test_a_vram_endpoint_reads_zero_copy_from_its_peers() -> None:
+    """On VRAM the agent is created with cuda_ipc get zero-copy on and emulation
+    off (the process environment is left as it was), so the peer check's success
+    means a zero-copy READ."""
+    spec = PeerSpec("nixl", GEOMETRY, num_slots=2, device="cuda")
+    async with transport_pair(spec) as (_, loader, holder_address):
+        report = await loader.ucx_report()
+        assert report["env"]["UCX_PROTO_EMULATION_ENABLE"] == "n"
+        assert report["env"]["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+        assert "UCX_PROTO_EMULATION_ENABLE" not in await loader.environment()
+        await loader.load(holder_address, [0, 1])
+        (path,) = (await loader.peer_paths()).values()
+        assert path["local_mem_type"] == path["remote_mem_type"] == "VRAM"
+        assert path["zero_copy_only"] is True
 
 
 # ---- peers that die or stall --------------------------------------------------------

@@ -20,6 +20,7 @@ real method. Nothing in the transfer is replaced.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -271,6 +272,10 @@ class TransportPeer(xo.StatelessActor):
     def pid(self) -> int:
         return os.getpid()
 
+    def environment(self) -> dict[str, str]:
+        """This process's UCX_* environment variables."""
+        return {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+
     def instrument_registrations(self) -> None:
         install_registration_counter()
 
@@ -294,8 +299,13 @@ class TransportPeer(xo.StatelessActor):
             "transports": report.transports,
             "tcp_only": report.tcp_only,
             "probe_error": report.probe_error,
+            "applied": dict(report.applied),
             "text": report.describe(),
         }
+
+    def peer_paths(self) -> dict[str, dict[str, Any]]:
+        paths = self.transport.endpoint.peer_paths
+        return {name: dataclasses.asdict(path) for name, path in paths.items()}
 
     async def pending_orphans(self) -> int:
         return await self.transport.endpoint.pending_reads()

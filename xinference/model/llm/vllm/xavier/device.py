@@ -45,6 +45,33 @@ def fence(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceWorkMark:
+    """A point in the work queued on a device, to wait for later rather than now.
+
+    ``mark()`` records where the current stream is; ``wait()`` blocks until the work
+    queued up to the last mark has completed (at once if it has, or on CPU). Cheaper
+    than a fence when the wait can be put off until the memory is needed again.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._event: Any = None
+        self._pending = False
+
+    def mark(self) -> None:
+        if self.device.type != "cuda":
+            return
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(self.device))
+        self._pending = True
+
+    def wait(self) -> None:
+        if self._pending:
+            self._event.synchronize()
+            self._pending = False
+
+
 @dataclass(frozen=True, slots=True)
 class CpuStorageHandle:
     """A CPU storage in shared memory, reachable as ``/proc/<pid>/fd/<fd>``."""

@@ -50,13 +50,15 @@ Device-generic: CPU tensors are NIXL DRAM, CUDA tensors VRAM; nothing else diffe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -65,7 +67,7 @@ import torch
 import xoscar as xo
 
 from .aio import finish_even_if_cancelled
-from .device import fence
+from .device import DeviceWorkMark
 from .gpu_transfer import ScatterFn, full_slab_bytes
 from .hashing import BlockHash
 from .messages import DEVICE_TIER, KVGeometry, PushRequest
@@ -84,9 +86,12 @@ PLACEMENTS = (PLACEMENT_SLAB, PLACEMENT_ENGINE)
 # On VRAM a post only queues copies, so there the descriptor count is what matters.
 INLINE_POST_MAX_BYTES = 256 * 1024
 INLINE_POST_MAX_DESCRIPTORS = 64
-# Completion polling: yield to the event loop (asyncio.sleep(0)) for this long, then
+# Completion polling: spin on the transfer state right after the post for this long
+# (the actor's event loop waits meanwhile; a VRAM READ over cuda_ipc is done within
+# it), then yield to the event loop (asyncio.sleep(0)) for YIELD_POLL_S, then
 # sleep with exponential backoff. Sub-millisecond sleeps are not worth asking for:
 # the selector rounds its timeout up to whole milliseconds.
+SPIN_POLL_S = 100e-6
 YIELD_POLL_S = 200e-6
 FIRST_POLL_SLEEP_S = 1e-4
 MAX_POLL_SLEEP_S = 1e-3
@@ -100,7 +105,22 @@ UCX_ENV_VARS = (
     "UCX_MEMTYPE_CACHE",
     "UCX_RNDV_THRESH",
     "UCX_PROTO_ENABLE",
+    "UCX_PROTO_EMULATION_ENABLE",
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY",
 )
+# What an endpoint holding VRAM creates its agent with, unless this process's
+# environment says otherwise. UCX 1.23 turns cuda_ipc's get zero-copy (the copy a
+# READ needs) on only on platforms it knows to be fast ("auto"); on the lent H200 it
+# stayed off, and every VRAM READ fell back to "software emulation" over tcp/lo
+# while WRITEs used cuda_ipc. With emulation off as well, a VRAM READ without a
+# zero-copy path fails (at the peer check, below) instead of crawling through a
+# socket. UCX reads both when the agent's context and worker are created.
+VRAM_UCX_SETTINGS = (
+    ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on"),
+    ("UCX_PROTO_EMULATION_ENABLE", "n"),
+)
+# os.environ is process-wide: one agent creation at a time changes it.
+_UCX_ENV_LOCK = threading.Lock()
 # UCP feature bits (ucp.h): RMA for READ, AM for NIXL's notifications.
 _UCP_FEATURE_RMA = 1 << 1
 _UCP_FEATURE_AM = 1 << 6
@@ -251,6 +271,8 @@ class UcxReport:
     backend_params: tuple[tuple[str, str], ...]
     backend_mem_types: tuple[str, ...]
     probe_error: str | None = None
+    # the part of ``env`` set for this agent only (``VRAM_UCX_SETTINGS``)
+    applied: tuple[tuple[str, str], ...] = ()
 
     @property
     def transports(self) -> tuple[str, ...]:
@@ -261,7 +283,13 @@ class UcxReport:
         return bool(self.resources) and set(self.transports) <= {"tcp", "self"}
 
     def describe(self) -> str:
-        env = ", ".join(f"{k}={v}" for k, v in self.env) or "no UCX_* overrides"
+        env = (
+            ", ".join(
+                f"{k}={v}" + (" (set for this agent)" if (k, v) in self.applied else "")
+                for k, v in self.env
+            )
+            or "no UCX_* overrides"
+        )
         if self.probe_error is not None:
             found = f"resources unknown ({self.probe_error})"
         else:
@@ -273,13 +301,15 @@ class UcxReport:
         )
 
 
-def probe_ucx(agent: Any) -> UcxReport:
+def probe_ucx(agent: Any, applied: tuple[tuple[str, str], ...] = ()) -> UcxReport:
     """Report the UCX transports available to ``agent``'s process.
 
     Reads the UCX_* environment and the NIXL backend's parameters, then opens a
     throwaway UCP context through the very ``libucp`` NIXL loaded (found in
     ``/proc/self/maps``) and lists its resources, which is what ``ucx_info -d`` would
-    print for this configuration. Never raises: a failed probe is in the report.
+    print for this configuration. Call it with the environment the agent was created
+    with (``applied``: the settings made for this agent only). Never raises: a
+    failed probe is in the report.
     """
     env = tuple((name, os.environ[name]) for name in UCX_ENV_VARS if name in os.environ)
     params: tuple[tuple[str, str], ...] = ()
@@ -294,7 +324,23 @@ def probe_ucx(agent: Any) -> UcxReport:
         error = None
     except Exception as exc:  # reported in the result (probe_error)
         version, resources, error = "unknown", (), f"{type(exc).__name__}: {exc}"
-    return UcxReport(version, env, resources, params, mem_types, error)
+    return UcxReport(version, env, resources, params, mem_types, error, applied)
+
+
+@contextlib.contextmanager
+def ucx_settings(
+    settings: Sequence[tuple[str, str]],
+) -> Iterator[tuple[tuple[str, str], ...]]:
+    """Set each of ``settings`` that the environment does not already set, for the
+    duration of the block; yields the ones it set."""
+    with _UCX_ENV_LOCK:
+        applied = tuple((k, v) for k, v in settings if k not in os.environ)
+        os.environ.update(applied)
+        try:
+            yield applied
+        finally:
+            for name, _ in applied:
+                os.environ.pop(name, None)
 
 
 def _loaded_library(fragment: str) -> str:
@@ -525,17 +571,56 @@ def plan_slab_read(
     num_rows: int,
 ) -> ReadPlan:
     """Global rows ``first_row .. first_row + num_rows - 1`` of the keys whose layer 0
-    sits at ``first_rows`` in the holder's ``store``, into the slab's first bytes."""
+    sits at ``first_rows`` in the holder's ``store``, into the slab's first bytes.
+
+    A key's layers are consecutive holder rows, so the plan is built per key (a
+    load's time is counted in microseconds; this is on its path): one descriptor
+    per run of keys whose rows continue each other in the holder.
+    """
     if num_rows * row_bytes > slab.nbytes:
         raise ValueError(f"{num_rows} rows do not fit a {slab.nbytes}-byte slab")
-    rows = np.arange(first_row, first_row + num_rows, dtype=np.uint64)
-    keys = rows // np.uint64(num_layers)
-    holder_rows = _u64(first_rows)[keys.astype(np.int64)] + rows % np.uint64(num_layers)
-    r = np.uint64(row_bytes)
-    remote = np.uint64(store.address) + holder_rows * r
-    local = np.uint64(slab.address) + (rows - np.uint64(first_row)) * r
-    length = np.full(num_rows, r, dtype=np.uint64)
-    return _merged_plan(local, remote, length, slab.device_id, store.device_id)
+    local: list[int] = []
+    remote: list[int] = []
+    length: list[int] = []
+    offset = 0
+
+    def add(holder_row: int, count: int) -> None:
+        nonlocal offset
+        address = store.address + holder_row * row_bytes
+        nbytes = count * row_bytes
+        if length and remote[-1] + length[-1] == address:
+            length[-1] += nbytes  # the slab side always continues
+        else:
+            local.append(slab.address + offset)
+            remote.append(address)
+            length.append(nbytes)
+        offset += nbytes
+
+    end = first_row + num_rows
+    key, layer = divmod(first_row, num_layers)
+    if layer:  # a chunk may start inside a key
+        count = min(num_layers - layer, num_rows)
+        add(first_rows[key] + layer, count)
+        key += 1
+    whole_end = end // num_layers
+    if key < whole_end:
+        # whole keys: one descriptor per run of keys stored back to back
+        run_start = run_end = first_rows[key]
+        for row in first_rows[key + 1 : whole_end]:
+            if row != run_end + num_layers:
+                add(run_start, run_end - run_start + num_layers)
+                run_start = row
+            run_end = row
+        add(run_start, run_end - run_start + num_layers)
+        key = whole_end
+    if key * num_layers < end and key * num_layers >= first_row:
+        add(first_rows[key], end - key * num_layers)  # a chunk may end inside one
+    n = len(length)
+    return ReadPlan(
+        local=_u64([local, length, [slab.device_id] * n]).T.copy(),
+        remote=_u64([remote, length, [store.device_id] * n]).T.copy(),
+        nbytes=offset,
+    )
 
 
 def plan_engine_read(
@@ -570,6 +655,36 @@ def plan_engine_read(
 # ---- the endpoint: one agent, memory registered once ----------------------------------
 
 
+# Where a READ lands, which decides what a READ that misses its deadline puts at risk.
+DEST_SLAB = "slab"  # the receive slab: retired, a fresh one takes its place
+DEST_ENGINE = "engine"  # engine blocks: the caller must not reuse them
+DEST_PROBE = "probe"  # the peer check's scratch row: nothing reads it
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPath:
+    """The outcome of the READ a loader makes when it meets a peer: which memory
+    types it joined, how many bytes, how long (connection setup included).
+
+    ``zero_copy_only``: UCX's software emulation was off in this agent, so the READ
+    succeeded over a zero-copy protocol (for VRAM: cuda_ipc, not TCP).
+    """
+
+    peer: str
+    local_mem_type: str
+    remote_mem_type: str
+    nbytes: int
+    seconds: float
+    zero_copy_only: bool
+
+    def describe(self) -> str:
+        path = "zero-copy" if self.zero_copy_only else "UCX's choice"
+        return (
+            f"{self.remote_mem_type}->{self.local_mem_type} READ of {self.nbytes} "
+            f"bytes from {self.peer} in {self.seconds * 1e6:.0f} us ({path})"
+        )
+
+
 @dataclass(slots=True)
 class _Orphan:
     """A READ that missed its deadline and has not ended yet."""
@@ -586,10 +701,16 @@ class NixlAgentEndpoint:
 
     Build it with ``await NixlAgentEndpoint.create(...)`` (agent creation and
     registration are blocking, so they run in a thread). Registered at start: the
-    device tier rows (what peers read), the receive slab (``slab`` placement) and,
-    when given, the engine's KV layers (``engine`` placement). After that nothing is
-    registered again, except a fresh receive slab when a READ into the old one
-    missed its deadline (``registrations`` counts every registration).
+    device tier rows (what peers read), the receive slab (``slab`` placement), one
+    scratch row for the peer check and, when given, the engine's KV layers
+    (``engine`` placement). After that nothing is registered again, except a fresh
+    receive slab when a READ into the old one missed its deadline
+    (``registrations`` counts every registration).
+
+    An endpoint on VRAM creates its agent with ``VRAM_UCX_SETTINGS`` (unless the
+    environment sets them), and ``add_peer`` READs one row from each new peer: with
+    UCX's emulation off, that READ fails when UCX has no zero-copy path, so a TCP
+    fallback shows up when a peer is met, not as slow loads.
     """
 
     def __init__(
@@ -639,6 +760,7 @@ class NixlAgentEndpoint:
         self.generation = 1
         self.registrations = 0
         self.ucx_report: UcxReport | None = None
+        self.zero_copy_only = False
         self._agent: Any = None
         self._nixl_errors = _nixl_errors()
         self._store_rows = store_rows
@@ -646,6 +768,9 @@ class NixlAgentEndpoint:
         # Zeroed once, so a slab never exposes stale memory.
         self._slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=self.device)
         self._slab_reg: Any = None
+        self._probe = torch.zeros(row_bytes, dtype=torch.uint8, device=self.device)
+        self._probe_reg: Any = None
+        self.peer_paths: dict[str, PeerPath] = {}
         # Kept so that the mapped engine memory outlives its registration.
         self._engine_layers = (
             list(engine_layers) if engine_layers is not None and engine_map else []
@@ -693,29 +818,35 @@ class NixlAgentEndpoint:
             nixl_thread_sync_t,
         )
 
-        # RW sync: posts may run in worker threads while the event loop polls.
-        self._agent = nixl_agent(
-            self.agent_name,
-            nixl_agent_config(
-                enable_prog_thread=True,
-                enable_listen_thread=False,
-                backends=["UCX"],
-                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-            ),
-        )
+        settings = VRAM_UCX_SETTINGS if self.device.type == "cuda" else ()
+        with ucx_settings(settings) as applied:
+            # RW sync: posts may run in worker threads while the event loop polls.
+            self._agent = nixl_agent(
+                self.agent_name,
+                nixl_agent_config(
+                    enable_prog_thread=True,
+                    enable_listen_thread=False,
+                    backends=["UCX"],
+                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+                ),
+            )
+            self.ucx_report = probe_ucx(self._agent, applied)
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL has no UCX backend in this process")
+        self.zero_copy_only = dict(self.ucx_report.env).get(
+            "UCX_PROTO_EMULATION_ENABLE", "y"
+        ).lower() in ("n", "no", "off", "0", "false")
         try:
             if self._store_rows.numel():
                 self._store_reg = self._register([NixlRegion.of(self._store_rows)])
             self._slab_reg = self._register([NixlRegion.of(self._slab)])
+            self._probe_reg = self._register([NixlRegion.of(self._probe)])
             if self._engine_map is not None:
                 self._register_engine(self._engine_map)
             self._info = self._make_info()
         except BaseException:
             self._deregister_all()
             raise
-        self.ucx_report = probe_ucx(self._agent)
         self._log_start()
 
     def _register_engine(self, engine_map: EngineBlockMap) -> None:
@@ -838,16 +969,33 @@ class NixlAgentEndpoint:
 
     # ---- peers ----------------------------------------------------------------------
 
-    async def add_peer(self, info: NixlEndpointInfo) -> None:
-        """Load a peer's metadata (again only if its generation changed)."""
-        self._check_open()
-        if self._peers.get(info.agent_name) == info.generation:
-            return
-        if not info.metadata:
-            raise NixlTransferError(
-                f"peer {info.agent_name} publishes no memory (it has no device tier)"
-            )
+    async def add_peer(self, info: NixlEndpointInfo, *, check_timeout_s: float) -> None:
+        """Load a peer's metadata (again only if its generation changed), connect,
+        and READ one row from it (``peer_paths`` keeps the outcome).
 
+        Raises ``NixlTransferError`` if the peer cannot be loaded or that READ
+        fails (then the peer is forgotten), ``NixlTransferTimeout`` if the READ
+        misses ``check_timeout_s``.
+        """
+        self._check_open()
+        name = info.agent_name
+        if self._peers.get(name) == info.generation and name in self.peer_paths:
+            return
+        if not info.metadata or info.store is None:
+            raise NixlTransferError(
+                f"peer {name} publishes no memory (it has no device tier)"
+            )
+        if self._peers.get(name) != info.generation:
+            await self._load_peer(info)
+        try:
+            await self._check_path(info, check_timeout_s)
+        except NixlTransferTimeout:
+            raise  # the peer stays loaded: its pending READ must stay trackable
+        except NixlTransferError:
+            await self.forget_peer(name)
+            raise
+
+    async def _load_peer(self, info: NixlEndpointInfo) -> None:
         def load() -> None:
             name = self._agent.add_remote_agent(info.metadata)
             if isinstance(name, bytes):
@@ -866,6 +1014,56 @@ class NixlAgentEndpoint:
                 f"could not load the NIXL metadata of peer {info.agent_name}: {exc!r}"
             ) from exc
         self._peers[info.agent_name] = info.generation
+        self.peer_paths.pop(info.agent_name, None)
+
+    async def _check_path(self, info: NixlEndpointInfo, timeout_s: float) -> None:
+        """READ the peer's first row into the scratch row; log how it went."""
+        assert info.store is not None
+        probe = NixlRegion.of(self._probe)
+        nbytes = min(probe.nbytes, info.store.nbytes)
+        plan = _merged_plan(
+            _u64([probe.address]),
+            _u64([info.store.address]),
+            _u64([nbytes]),
+            probe.device_id,
+            info.store.device_id,
+        )
+        started = time.monotonic()
+        try:
+            await self.read(
+                info.agent_name,
+                plan,
+                local_mem_type=probe.mem_type,
+                remote_mem_type=info.store.mem_type,
+                timeout_s=timeout_s,
+                destination=DEST_PROBE,
+            )
+        except NixlTransferTimeout:
+            raise
+        except NixlTransferError as exc:
+            hint = ""
+            if self.zero_copy_only:
+                hint = (
+                    "; UCX's software emulation is off for this agent, so this "
+                    "usually means UCX has no zero-copy path between these memories "
+                    "(for VRAM: cuda_ipc missing from UCX_TLS, or its get zero-copy "
+                    "off, see UCX_CUDA_IPC_ENABLE_GET_ZCOPY); set "
+                    "UCX_PROTO_EMULATION_ENABLE=y to accept a slow fallback"
+                )
+            raise NixlTransferError(
+                f"the first READ from peer {info.agent_name} "
+                f"({info.store.mem_type}->{probe.mem_type}) failed: {exc}{hint}"
+            ) from exc
+        path = PeerPath(
+            info.agent_name,
+            probe.mem_type,
+            info.store.mem_type,
+            nbytes,
+            time.monotonic() - started,
+            self.zero_copy_only,
+        )
+        self.peer_paths[info.agent_name] = path
+        logger.info("NIXL endpoint %s: %s", self.agent_name, path.describe())
 
     async def forget_peer(self, agent_name: str) -> None:
         """Drop a peer's metadata (and its connection), unless a READ from it that
@@ -873,6 +1071,7 @@ class NixlAgentEndpoint:
         if agent_name not in self._peers or self._orphans.get(agent_name):
             return
         del self._peers[agent_name]
+        self.peer_paths.pop(agent_name, None)
         try:
             await asyncio.to_thread(self._agent.remove_remote_agent, agent_name)
         except self._nixl_errors as exc:  # already gone, e.g. after a disconnect
@@ -888,9 +1087,10 @@ class NixlAgentEndpoint:
         local_mem_type: str,
         remote_mem_type: str,
         timeout_s: float,
-        into_slab: bool,
+        destination: str,
     ) -> None:
-        """One NIXL READ of ``plan`` from ``peer``; returns once it is DONE.
+        """One NIXL READ of ``plan`` from ``peer`` into ``destination`` (``DEST_*``);
+        returns once it is DONE.
 
         Raises ``NixlTransferError`` if it fails, ``NixlTransferTimeout`` if it is not
         done within ``timeout_s``. A timed-out READ into the slab retires the slab
@@ -898,7 +1098,8 @@ class NixlAgentEndpoint:
         READ ends. A caller's cancellation waits for the READ to end (or time out).
         """
         self._check_open()
-        await self._reap_orphans()
+        if self._orphans:
+            await self._reap_orphans()
         pending = self._orphans.get(peer)
         if pending:
             stalled = time.monotonic() - pending[0].since
@@ -908,24 +1109,44 @@ class NixlAgentEndpoint:
             )
         if plan.descriptors == 0:
             return
-        await finish_even_if_cancelled(
-            self._read(
-                peer, plan, local_mem_type, remote_mem_type, timeout_s, into_slab
+        agent = self._agent
+        handle = self._prepare(peer, plan, local_mem_type, remote_mem_type)
+        started = time.monotonic()
+        if not _post_inline(plan, local_mem_type):
+            # A long post (a DRAM copy inside the call) in a thread; then wait.
+            await finish_even_if_cancelled(
+                self._post_and_wait(handle, peer, plan, started, timeout_s, destination)
             )
-        )
+            return
+        # The common case finishes here without yielding to the event loop: post,
+        # then spin briefly (a VRAM READ over cuda_ipc takes about 20 us).
+        try:
+            state = self._spin(handle, agent.transfer(handle))
+        except self._nixl_errors as exc:
+            self._release(handle)
+            raise self._failure(peer, plan, started, exc) from exc
+        if state == "PROC":
+            # Still in flight: it must end (or be parked) even if we are cancelled.
+            await finish_even_if_cancelled(
+                self._wait(handle, state, peer, plan, started, timeout_s, destination)
+            )
+            return
+        self._end(handle, state, peer, plan)
 
-    async def _read(
-        self,
-        peer: str,
-        plan: ReadPlan,
-        local_mem_type: str,
-        remote_mem_type: str,
-        timeout_s: float,
-        into_slab: bool,
-    ) -> None:
+    def _end(self, handle: Any, state: str, peer: str, plan: ReadPlan) -> None:
+        """Release a READ that has ended; raise unless it succeeded."""
+        self._release(handle)
+        if state != "DONE":
+            raise NixlTransferError(
+                f"NIXL READ of {plan.nbytes} bytes from {peer} ended in state {state}"
+            )
+
+    def _prepare(
+        self, peer: str, plan: ReadPlan, local_mem_type: str, remote_mem_type: str
+    ) -> Any:
         agent = self._agent
         try:
-            handle = agent.initialize_xfer(
+            return agent.initialize_xfer(
                 "READ",
                 agent.get_xfer_descs(plan.local, mem_type=local_mem_type),
                 agent.get_xfer_descs(plan.remote, mem_type=remote_mem_type),
@@ -936,42 +1157,64 @@ class NixlAgentEndpoint:
                 f"NIXL refused a READ of {plan.nbytes} bytes in {plan.descriptors} "
                 f"descriptors from {peer}: {exc!r}"
             ) from exc
-        started = time.monotonic()
-        ended = False
+
+    def _failure(
+        self, peer: str, plan: ReadPlan, started: float, exc: BaseException
+    ) -> NixlTransferError:
+        return NixlTransferError(
+            f"NIXL READ of {plan.nbytes} bytes from {peer} failed after "
+            f"{time.monotonic() - started:.3f} s: {exc!r}"
+        )
+
+    async def _post_and_wait(
+        self,
+        handle: Any,
+        peer: str,
+        plan: ReadPlan,
+        started: float,
+        timeout_s: float,
+        destination: str,
+    ) -> None:
         try:
-            try:
-                if _post_inline(plan, local_mem_type):
-                    state = agent.transfer(handle)
-                else:
-                    state = await asyncio.to_thread(agent.transfer, handle)
-                state = await self._poll(handle, state, started + timeout_s)
-            except self._nixl_errors as exc:
-                ended = True
-                raise NixlTransferError(
-                    f"NIXL READ of {plan.nbytes} bytes from {peer} failed after "
-                    f"{time.monotonic() - started:.3f} s: {exc!r}"
-                ) from exc
-            ended = state != "PROC"
-            if state == "PROC":
-                await self._park(handle, peer, started, into_slab)
-                raise NixlTransferTimeout(
-                    f"NIXL READ of {plan.nbytes} bytes from {peer} did not complete "
-                    f"within {timeout_s} s"
-                    + (
-                        ""
-                        if into_slab
-                        else "; its destination blocks may still be written"
-                    ),
-                    destination_at_risk=not into_slab,
-                )
-            if state != "DONE":
-                raise NixlTransferError(
-                    f"NIXL READ of {plan.nbytes} bytes from {peer} ended in state "
-                    f"{state}"
-                )
-        finally:
-            if ended:
-                self._release(handle)
+            state = await asyncio.to_thread(self._agent.transfer, handle)
+        except self._nixl_errors as exc:
+            self._release(handle)
+            raise self._failure(peer, plan, started, exc) from exc
+        await self._wait(handle, state, peer, plan, started, timeout_s, destination)
+
+    async def _wait(
+        self,
+        handle: Any,
+        state: str,
+        peer: str,
+        plan: ReadPlan,
+        started: float,
+        timeout_s: float,
+        destination: str,
+    ) -> None:
+        """Poll a posted READ to its end or its deadline; release or park it."""
+        try:
+            state = await self._poll(handle, state, started + timeout_s)
+        except self._nixl_errors as exc:
+            self._release(handle)
+            raise self._failure(peer, plan, started, exc) from exc
+        if state == "PROC":
+            await self._park(handle, peer, started, destination)
+            at_risk = destination == DEST_ENGINE
+            raise NixlTransferTimeout(
+                f"NIXL READ of {plan.nbytes} bytes from {peer} did not complete "
+                f"within {timeout_s} s"
+                + ("; its destination blocks may still be written" if at_risk else ""),
+                destination_at_risk=at_risk,
+            )
+        self._end(handle, state, peer, plan)
+
+    def _spin(self, handle: Any, state: str) -> str:
+        """Check a just-posted READ without yielding, for up to ``SPIN_POLL_S``."""
+        until = time.perf_counter() + SPIN_POLL_S
+        while state == "PROC" and time.perf_counter() < until:
+            state = self._agent.check_xfer_state(handle)
+        return state
 
     async def _poll(self, handle: Any, state: str, deadline: float) -> str:
         """Poll until the transfer leaves PROC or the deadline passes."""
@@ -997,10 +1240,10 @@ class NixlAgentEndpoint:
             logger.warning("could not release a NIXL transfer handle: %r", exc)
 
     async def _park(
-        self, handle: Any, peer: str, started: float, into_slab: bool
+        self, handle: Any, peer: str, started: float, destination: str
     ) -> None:
         hold = None
-        if into_slab:
+        if destination == DEST_SLAB:
             hold = (self._slab, self._slab_reg)
             slab = torch.zeros_like(self._slab)
             self._slab_reg = await asyncio.to_thread(
@@ -1008,15 +1251,12 @@ class NixlAgentEndpoint:
             )
             self._slab = slab
         self._orphans.setdefault(peer, []).append(_Orphan(handle, peer, started, hold))
-        logger.warning(
-            "NIXL READ from %s missed its deadline; %s",
-            peer,
-            (
-                "the receive slab was retired until it ends"
-                if into_slab
-                else "its destination engine blocks may still be written"
-            ),
-        )
+        consequence = {
+            DEST_SLAB: "the receive slab was retired until it ends",
+            DEST_ENGINE: "its destination engine blocks may still be written",
+            DEST_PROBE: "loads from it are refused until it ends",
+        }[destination]
+        logger.warning("NIXL READ from %s missed its deadline; %s", peer, consequence)
 
     async def _reap_orphans(self) -> None:
         """Release READs that missed their deadline and have ended since."""
@@ -1077,7 +1317,9 @@ class NixlAgentEndpoint:
             await self.forget_peer(peer)
         if self._orphans:
             held = [o.hold for orphans in self._orphans.values() for o in orphans]
-            _QUARANTINE.append((self._agent, held, self._engine_layers, self._slab))
+            _QUARANTINE.append(
+                (self._agent, held, self._engine_layers, self._slab, self._probe)
+            )
             logger.error(
                 "NIXL endpoint %s closes with %d READs that never ended; their "
                 "memory and the agent stay allocated for the life of this process",
@@ -1094,7 +1336,7 @@ class NixlAgentEndpoint:
         )
 
     def _deregister_all(self) -> None:
-        for attr in ("_engine_regs", "_slab_reg", "_store_reg"):
+        for attr in ("_engine_regs", "_probe_reg", "_slab_reg", "_store_reg"):
             reg = getattr(self, attr)
             if reg is not None and self._agent is not None:
                 self._agent.deregister_memory(reg)
@@ -1186,6 +1428,7 @@ class NixlDirectTransport:
         self._peer_locks: dict[int, asyncio.Lock] = {}
         # One load at a time uses the receive slab, from READ to the end of scatter.
         self._slab_lock = asyncio.Lock()
+        self._slab_readers = DeviceWorkMark(endpoint.slab.device)
         self._active: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._close_task: asyncio.Task[None] | None = None
@@ -1250,7 +1493,9 @@ class NixlDirectTransport:
         With ``engine`` placement and ``dst_block_ids`` (one engine block per key),
         the READ lands in the engine blocks and ``scatter`` is not called; otherwise
         each chunk is read into the receive slab and handed to ``scatter``. Returns
-        or raises once nothing is writing into this side's memory any more.
+        or raises once no READ is writing into this side's memory any more; device
+        work that ``scatter`` queued may still run (the caller fences before the
+        engine reads the blocks; the next READ into the slab waits for it).
         """
         self._check_open()
         keys = tuple(keys)
@@ -1300,6 +1545,9 @@ class NixlDirectTransport:
             num_rows = min(self.rows_per_read, total - first_row)
             async with self._slab_lock:
                 slab = self._endpoint.slab  # a timed-out READ may have replaced it
+                # The last scatter may still be reading the slab on the device: the
+                # READ must not overwrite it before that work is done.
+                self._slab_readers.wait()
                 slab_region = NixlRegion.of(slab)
                 plan = plan_slab_read(
                     source.first_rows,
@@ -1310,7 +1558,9 @@ class NixlDirectTransport:
                     first_row,
                     num_rows,
                 )
-                await self._read(holder_rank, peer, plan, slab_region.mem_type, True)
+                await self._read(
+                    holder_rank, peer, plan, slab_region.mem_type, DEST_SLAB
+                )
                 try:
                     scatter(
                         first_row,
@@ -1318,9 +1568,9 @@ class NixlDirectTransport:
                     )
                 finally:
                     # scatter may only have queued device work that reads the slab;
-                    # the next READ into it must not overtake that work. Short (a
-                    # chunk's copies, usually fenced by scatter already), so inline.
-                    fence(slab.device)
+                    # it is waited for before the next READ into the slab, not here
+                    # (the caller fences before the engine uses its blocks).
+                    self._slab_readers.mark()
             self._count(plan, num_rows * row_bytes)
 
     async def _load_into_engine(
@@ -1353,7 +1603,7 @@ class NixlDirectTransport:
             peer.store,
             engine_map,
         )
-        await self._read(holder_rank, peer, plan, engine_map.mem_type, False)
+        await self._read(holder_rank, peer, plan, engine_map.mem_type, DEST_ENGINE)
         self._count(plan, len(blocks) * self._geometry.block_nbytes)
         self._counters.engine_placed_loads += 1
 
@@ -1363,7 +1613,7 @@ class NixlDirectTransport:
         peer: NixlEndpointInfo,
         plan: ReadPlan,
         local_mem_type: str,
-        into_slab: bool,
+        destination: str,
     ) -> None:
         assert peer.store is not None
         try:
@@ -1373,7 +1623,7 @@ class NixlDirectTransport:
                 local_mem_type=local_mem_type,
                 remote_mem_type=peer.store.mem_type,
                 timeout_s=self._transfer_timeout_s,
-                into_slab=into_slab,
+                destination=destination,
             )
         except NixlTransferTimeout as exc:
             self._counters.transfer_timeouts += 1
@@ -1419,7 +1669,18 @@ class NixlDirectTransport:
                 raise NixlTransferError(f"rank {holder_rank} has no device tier")
             if known is not None and known.agent_name != info.agent_name:
                 await self._endpoint.forget_peer(known.agent_name)
-            await self._endpoint.add_peer(info)
+            try:
+                await self._endpoint.add_peer(
+                    info, check_timeout_s=self._transfer_timeout_s
+                )
+            except NixlTransferTimeout as exc:
+                self._counters.transfer_timeouts += 1
+                raise NixlTransferTimeout(
+                    f"rank {holder_rank}: {exc}", exc.destination_at_risk
+                ) from exc
+            except NixlTransferError as exc:
+                self._counters.transfer_failures += 1
+                raise NixlTransferError(f"rank {holder_rank}: {exc}") from exc
             self._peers[holder_rank] = info
             self._counters.peer_metadata_loads += 1
             return info
