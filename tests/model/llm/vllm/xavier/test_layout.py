@@ -219,3 +219,91 @@ def test_cache_with_rows_that_only_fit_two_byte_elements():
     assert torch.equal(engine.cache.gather(0, long([4, 1])), rows)
     block4 = engine.tensors[0][:, 4].contiguous().view(torch.uint8).reshape(-1)
     assert torch.equal(block4, rows[0])
+
+
+CUDA_SKIP = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)"
+)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_SKIP])]
+
+
+def one_allocation(
+    layout: str, num_layers: int, gap: int = 0, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Per-layer views of one flat allocation, as vLLM on CPU lays them out; ``gap``
+    elements of padding between layers."""
+    shape = layer_tensor(layout).shape
+    per_layer = layer_tensor(layout).numel()
+    flat = torch.zeros(
+        num_layers * (per_layer + gap), dtype=torch.bfloat16, device=device
+    )
+    step = per_layer + gap
+    return [
+        flat[i * step : i * step + per_layer].view(shape) for i in range(num_layers)
+    ]
+
+
+def expected_after_scatter(
+    layers: list[torch.Tensor], first_row: int, rows: torch.Tensor, dst: list[int]
+) -> list[torch.Tensor]:
+    """``layers`` (each ``(blocks, R)``) after writing ``rows`` one row at a time:
+    the reference that ``scatter_rows`` must match."""
+    layers = [layer.clone() for layer in layers]
+    for i in range(rows.shape[0]):
+        row = first_row + i
+        layers[row % len(layers)][dst[row // len(layers)]] = rows[i]
+    return layers
+
+
+@pytest.mark.parametrize("layout", [CPU_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT])
+@pytest.mark.parametrize("allocation", ["one allocation", "padded", "separate tensors"])
+@pytest.mark.parametrize("first_row, num_rows", [(0, 9), (3, 3), (2, 5), (6, 3)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_rows_matches_writing_each_row(
+    layout: str, allocation: str, first_row: int, num_rows: int, device: str
+) -> None:
+    """Whole-snapshot chunks in stacked layers take one copy, everything else one
+    per layer: both write exactly the rows asked for and nothing else."""
+    num_layers = 3
+    if allocation == "separate tensors":
+        tensors = [layer_tensor(layout).to(device) for _ in range(num_layers)]
+    else:
+        tensors = one_allocation(
+            layout, num_layers, gap=8 if allocation == "padded" else 0, device=device
+        )
+    for i, tensor in enumerate(tensors):
+        tensor.view(torch.int16).copy_(
+            (torch.arange(tensor.numel(), dtype=torch.int16) + 100 * i)
+            .view(tensor.shape)
+            .to(device)
+        )
+    cache = BlockMajorCache(tensors, detect_layout(tensors, NB, layout))
+    assert (cache._stacked is not None) == (allocation != "separate tensors")
+    expected = [
+        cache.gather(layer, long(range(NB))).cpu() for layer in range(num_layers)
+    ]
+    # Two chunks back to back, the second to other blocks: the ids staged for the
+    # first must not be overwritten before its copy has used them.
+    for dst in ([4, 0, 2], [1, 5, 3]):
+        rows = torch.randint(
+            0, 256, (num_rows, cache.layout.layer_block_nbytes), dtype=torch.uint8
+        )
+        expected = expected_after_scatter(expected, first_row, rows, dst)
+        cache.scatter_rows(first_row, rows.to(device), long(dst))
+    for layer in range(num_layers):
+        got = cache.gather(layer, long(range(NB))).cpu()
+        assert torch.equal(got, expected[layer])
+
+
+def test_scatter_rows_refuses_missing_or_repeated_destinations() -> None:
+    tensors = one_allocation(CPU_LAYOUT, 2)
+    cache = BlockMajorCache(tensors, detect_layout(tensors, NB, CPU_LAYOUT))
+    rows = torch.zeros((4, cache.layout.layer_block_nbytes), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="need destinations"):
+        cache.scatter_rows(0, rows, long([1]))
+    with pytest.raises(ValueError, match="duplicate"):
+        cache.scatter_rows(0, rows, long([1, 1]))
+    with pytest.raises(IndexError, match="out of range"):
+        cache.scatter_rows(0, rows, long([1, NB]))
+    with pytest.raises(ValueError, match="bytes"):
+        cache.scatter_rows(0, rows[:, 1:], long([1, 2]))
