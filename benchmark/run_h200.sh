@@ -3,10 +3,14 @@
 #   carry [".whl"], command: bash benchmark/run_h200.sh
 # .whl/ comes from ../shared/device/make-wheels.sh plus pytest, pytest-asyncio and
 # pytest-timeout wheels (the GPU image lacks pytest-asyncio). Logs go to $OUT.
-# Phases, each bounded so that one call fits the session's device time:
-#   1. every CUDA-marked Xavier test (CUDA IPC mapping, NIXL VRAM loads, BF16 bit
-#      patterns, demotion and reload), with UCX's protocol choices logged;
-#   2. the transport benchmark on VRAM (xoscar slabs vs direct NIXL).
+# Phases, each bounded so that one call fits the session's device time (PHASES
+# picks a subset, e.g. PHASES="floor transport"):
+#   floor      raw NIXL READ/WRITE between two processes (benchmark/nixl_floor.py);
+#   transport  the transport benchmark on VRAM (xoscar slabs vs direct NIXL);
+#   tests      every CUDA-marked Xavier test (CUDA IPC mapping, NIXL VRAM loads,
+#              BF16 bit patterns, demotion and reload).
+# Every phase runs with UCX_PROTO_INFO=y; *-protocols.txt sums up which protocol
+# and transport UCX chose for each VRAM operation (cuda_ipc, or a TCP fallback).
 set -uo pipefail
 OUT=${OUT:-/tmp/xavier-h200}
 mkdir -p "$OUT"
@@ -22,23 +26,37 @@ export UCX_TLS=${UCX_TLS:-tcp,cuda_copy,cuda_ipc}
 'xoscar', m.version('xoscar'), 'nixl', m.version('nixl'))"
   echo "UCX_TLS=$UCX_TLS"
 } > "$OUT/env.txt" 2>&1
-xavier=tests/model/llm/vllm/xavier
-# UCX prints the protocol (and transport) it picks for each new memory-type pair;
-# the VRAM->VRAM lines show whether cuda_ipc or a TCP fallback carried the bytes.
-UCX_PROTO_INFO=y timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -m cuda -q -s -rA \
-  -p no:cacheprovider "$xavier" --ignore-glob="*v1_connector*" \
-  --ignore-glob="*worker_side*" --ignore-glob="*scheduler_side*" \
-  > "$OUT/cuda-tests.log" 2>&1
-echo "cuda tests rc=$?" >> "$OUT/env.txt"
-grep -A6 "from cuda" "$OUT/cuda-tests.log" | grep -E "from cuda|\.\.inf" \
-  | sed 's/^\[[^]]*\] \[[^]]*\] *//' | sort | uniq -c > "$OUT/ucx-vram-protocols.txt"
-grep -E "passed|failed|PASSED|FAILED|SKIPPED|ERROR" "$OUT/cuda-tests.log" \
-  > "$OUT/cuda-tests-summary.txt"
-if [[ -f benchmark/transport_benchmark.py ]]; then
-  timeout "${BENCH_TIMEOUT:-120}" python3 benchmark/transport_benchmark.py \
-    --device cuda --loads "${LOADS:-200}" --json "$OUT/transport.json" \
-    > "$OUT/transport.log" 2>&1
-  echo "transport benchmark rc=$?" >> "$OUT/env.txt"
+phases=${PHASES:-floor transport tests}
+# UCX prints a table per new (operation, memory types) pair; keep the VRAM ones.
+protocols() {
+  grep -A6 "from cuda\|into cuda" "$1" | grep -E "from cuda|into cuda|\.\.inf" \
+    | sed 's/^\[[^]]*\] \[[^]]*\] *//' | sort | uniq -c > "$2"
+}
+if [[ $phases == *floor* ]]; then
+  UCX_PROTO_INFO=y timeout "${FLOOR_TIMEOUT:-150}" python3 benchmark/nixl_floor.py \
+    --device cuda --variants "${FLOOR_VARIANTS:-default,get-zcopy-on}" \
+    --json "$OUT/floor.json" > "$OUT/floor.log" 2>&1
+  echo "floor rc=$?" >> "$OUT/env.txt"
+  protocols "$OUT/floor.log" "$OUT/floor-protocols.txt"
 fi
-cat "$OUT/env.txt" "$OUT/cuda-tests-summary.txt" "$OUT/ucx-vram-protocols.txt"
-tail -n 25 "$OUT/transport.log" 2>/dev/null
+if [[ $phases == *transport* ]]; then
+  UCX_PROTO_INFO=y timeout "${BENCH_TIMEOUT:-180}" python3 \
+    benchmark/transport_benchmark.py --device cuda --loads "${LOADS:-200}" \
+    --json "$OUT/transport.json" > "$OUT/transport.log" 2>&1
+  echo "transport benchmark rc=$?" >> "$OUT/env.txt"
+  protocols "$OUT/transport.log" "$OUT/transport-protocols.txt"
+fi
+xavier=tests/model/llm/vllm/xavier
+if [[ $phases == *tests* ]]; then
+  UCX_PROTO_INFO=y timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m cuda -q -s -rA \
+    -p no:cacheprovider "$xavier" --ignore-glob="*v1_connector*" \
+    --ignore-glob="*worker_side*" --ignore-glob="*scheduler_side*" \
+    > "$OUT/cuda-tests.log" 2>&1
+  echo "cuda tests rc=$?" >> "$OUT/env.txt"
+  protocols "$OUT/cuda-tests.log" "$OUT/tests-protocols.txt"
+  grep -E "passed|failed|PASSED|FAILED|SKIPPED|ERROR" "$OUT/cuda-tests.log" \
+    > "$OUT/cuda-tests-summary.txt"
+fi
+cat "$OUT/env.txt" "$OUT"/*-protocols.txt "$OUT/cuda-tests-summary.txt" 2>/dev/null
+grep "^|" "$OUT/floor.log" 2>/dev/null
+grep -E "^\||peer check|^UCX" "$OUT/transport.log" 2>/dev/null

@@ -15,6 +15,13 @@ transport, so one run compares them under the same conditions:
                 the engine blocks, one descriptor per (block, layer) piece.
   nixl-slab-rpc nixl-slab plus the holder RPC that locates the leased rows, i.e.
                 without the rows travelling in the lease grant.
+  nixl-read     nixl-slab without the scatter: the transport's part alone (the
+                rows land in the receive slab, which is checked instead of the
+                engine blocks).
+
+``--engine-allocation one`` lays the engine's layers out as views of one allocation
+(vLLM on CPU does; the scatter then copies a chunk in one kernel), ``per-layer``
+gives each layer its own allocation (vLLM on GPU does; one copy per layer).
 
 Loads carry 1, 16 and 64 snapshots of Qwen2.5-0.5B in BF16 (24 layers x 8 KiB per
 layer-block = 192 KiB per block; 64 blocks = 12 MiB). Each case runs ``--warmup``
@@ -46,6 +53,7 @@ import xoscar as xo
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from xinference.model.llm.vllm.xavier import nixl_transport  # noqa: E402
 from xinference.model.llm.vllm.xavier.gpu_transfer import (  # noqa: E402
     chunk_row_index,
 )
@@ -57,7 +65,7 @@ from xinference.model.llm.vllm.xavier.messages import (  # noqa: E402
     KVGeometry,
     PushRequest,
 )
-from xinference.model.llm.vllm.xavier.nixl_registrations import (
+from xinference.model.llm.vllm.xavier.nixl_registrations import (  # noqa: E402
     install_registration_counter,
     registration_calls,
 )
@@ -86,17 +94,24 @@ GEOMETRY = KVGeometry(
 SIZES = (1, 16, 64)
 HOLDER_SLOTS = 96  # 18 MiB of store rows
 ENGINE_BLOCKS = 96
-CASES = ("xoscar", "nixl-slab", "nixl-engine", "nixl-slab-rpc")
+CASES = ("xoscar", "nixl-slab", "nixl-engine", "nixl-slab-rpc", "nixl-read")
 HOLDER_UID = "transport-bench-holder"
 LOADER_UID = "transport-bench-loader"
 RPC_TIMEOUT_S = 30.0
 
 
-def engine_tensors(layout: str, device: str) -> list[torch.Tensor]:
-    """Per-layer KV tensors of ``ENGINE_BLOCKS`` blocks, views of one allocation."""
+def engine_tensors(layout: str, device: str, allocation: str) -> list[torch.Tensor]:
+    """Per-layer KV tensors of ``ENGINE_BLOCKS`` blocks: views of one allocation,
+    or one allocation per layer."""
     per_layer = ENGINE_BLOCKS * GEOMETRY.layer_block_nbytes // 2
-    flat = torch.zeros(LAYERS * per_layer, dtype=torch.bfloat16, device=device)
-    layers = [flat[i * per_layer : (i + 1) * per_layer] for i in range(LAYERS)]
+    if allocation == "one":
+        flat = torch.zeros(LAYERS * per_layer, dtype=torch.bfloat16, device=device)
+        layers = [flat[i * per_layer : (i + 1) * per_layer] for i in range(LAYERS)]
+    else:
+        layers = [
+            torch.zeros(per_layer, dtype=torch.bfloat16, device=device)
+            for _ in range(LAYERS)
+        ]
     nb, h, t, d = ENGINE_BLOCKS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM
     if layout == "cpu":
         return [x.view(nb, h, t, 2 * d) for x in layers]
@@ -113,7 +128,9 @@ def _fence(device: torch.device) -> None:
 
 
 class BenchPeer(xo.StatelessActor):
-    def __init__(self, device: str, layout: str, torch_threads: int) -> None:
+    def __init__(
+        self, device: str, layout: str, allocation: str, torch_threads: int
+    ) -> None:
         super().__init__()
         if torch_threads > 0:
             # Idle intra-op threads spin and compete with UCX's progress thread.
@@ -124,7 +141,7 @@ class BenchPeer(xo.StatelessActor):
         self.rows = torch.randint(0, 256, rows, dtype=torch.uint8, generator=gen).to(
             self._device
         )
-        tensors = engine_tensors(layout, device)
+        tensors = engine_tensors(layout, device, allocation)
         self.engine = tensors
         self.cache = BlockMajorCache(
             tensors, detect_layout(tensors, ENGINE_BLOCKS, layout)
@@ -154,6 +171,7 @@ class BenchPeer(xo.StatelessActor):
                 endpoint, GEOMETRY, rpc_timeout_s=RPC_TIMEOUT_S, placement=placement
             )
         self.transports["nixl-slab-rpc"] = self.transports["nixl-slab"]
+        self.transports["nixl-read"] = self.transports["nixl-slab"]
 
     async def __pre_destroy__(self) -> None:
         for transport in set(self.transports.values()):
@@ -162,6 +180,49 @@ class BenchPeer(xo.StatelessActor):
     def instrument(self) -> None:
         install_registration_counter()
 
+    def instrument_breakdown(self) -> None:
+        """Time the steps of a direct NIXL load (``--breakdown``): wraps the read
+        plan, the wait for the last scatter out of the slab, the READ (post to
+        completion) and the scatter (which also stands for the index staging's
+        wait: it is the same DeviceWorkMark.wait, timed as "slab wait")."""
+        self._steps: dict[str, list[float]] = {}
+
+        def timed(name: str, function: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    self._record(name, started)
+
+            return wrapper
+
+        def timed_async(name: str, function: Any) -> Any:
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return await function(*args, **kwargs)
+                finally:
+                    self._record(name, started)
+
+            return wrapper
+
+        module = nixl_transport
+        module.plan_slab_read = timed("plan", module.plan_slab_read)  # type: ignore
+        mark = module.DeviceWorkMark
+        mark.wait = timed("slab wait", mark.wait)  # type: ignore
+        endpoint = module.NixlAgentEndpoint
+        endpoint.read = timed_async("read", endpoint.read)  # type: ignore
+        self._timed = timed
+
+    def _record(self, name: str, started: float) -> None:
+        self._steps.setdefault(name, []).append(time.perf_counter() - started)
+
+    def take_breakdown(self) -> dict[str, float]:
+        """Median microseconds per step since the last call, and how many."""
+        steps, self._steps = self._steps, {}
+        return {k: 1e6 * statistics.median(v) for k, v in steps.items()}
+
     def snapshot(self, case: str) -> dict[str, int]:
         return {
             "registration_calls": registration_calls(),
@@ -169,8 +230,11 @@ class BenchPeer(xo.StatelessActor):
         }
 
     def ucx_report(self) -> str:
-        report = self.transports["nixl-slab"].endpoint.ucx_report
-        return report.describe() if report is not None else "no report"
+        endpoint = self.transports["nixl-slab"].endpoint
+        report = endpoint.ucx_report
+        lines = [report.describe() if report is not None else "no UCX report"]
+        lines += [f"peer check: {p.describe()}" for p in endpoint.peer_paths.values()]
+        return "\n".join(lines)
 
     # ---- holder ---------------------------------------------------------------------
 
@@ -210,9 +274,9 @@ class BenchPeer(xo.StatelessActor):
             self._holder = await xo.actor_ref(holder_address, HOLDER_UID)
         transport = self.transports[case]
         keys = [s.to_bytes(16, "big") for s in slots]
-        scatter = self._scatter(blocks)
+        scatter = self._scatter(blocks) if case != "nixl-read" else _no_scatter
         extra: dict[str, Any] = {}
-        if case in ("nixl-slab", "nixl-engine"):
+        if case in ("nixl-slab", "nixl-engine", "nixl-read"):
             # What the lease grant would carry (see the integration notes): no RPC.
             source = await self._holder.nixl_source("bench", keys)
             extra = {"source": source, "dst_block_ids": blocks}
@@ -234,7 +298,8 @@ class BenchPeer(xo.StatelessActor):
         def scatter(first_row: int, rows: torch.Tensor) -> None:
             cache.scatter_rows(first_row, rows, destinations)
 
-        return scatter
+        timed = getattr(self, "_timed", None)
+        return timed("scatter", scatter) if timed is not None else scatter
 
     def verify(self, holder_rows: bytes, slots: list[int], blocks: list[int]) -> bool:
         source = torch.frombuffer(bytearray(holder_rows), dtype=torch.uint8).view(
@@ -247,8 +312,23 @@ class BenchPeer(xo.StatelessActor):
                 return False
         return True
 
+    def verify_slab(self, holder_rows: bytes, slots: list[int]) -> bool:
+        """The receive slab starts with the rows of ``slots`` (nixl-read)."""
+        row_bytes = GEOMETRY.layer_block_nbytes
+        source = torch.frombuffer(bytearray(holder_rows), dtype=torch.uint8).view(
+            -1, row_bytes
+        )
+        expected = torch.cat([source[s * LAYERS : (s + 1) * LAYERS] for s in slots])
+        slab = self.transports["nixl-read"].endpoint.slab
+        got = slab[: expected.numel()].view(-1, row_bytes).cpu()
+        return torch.equal(got, expected)
+
     def rows_bytes(self) -> bytes:
         return self.rows.cpu().numpy().tobytes()
+
+
+def _no_scatter(first_row: int, rows: torch.Tensor) -> None:
+    """nixl-read: the rows stay in the receive slab."""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -271,9 +351,16 @@ async def run_case(
     await loader.clear()
     await loader.load(case, holder_address, slots, dst, args.warmup)
     before = (await holder.snapshot(case), await loader.snapshot(case))
+    if args.breakdown:
+        await loader.take_breakdown()
     times = await loader.load(case, holder_address, slots, dst, args.loads)
     after = (await holder.snapshot(case), await loader.snapshot(case))
-    if not await loader.verify(holder_rows, slots, dst):
+    steps = await loader.take_breakdown() if args.breakdown else {}
+    if case == "nixl-read":
+        verified = await loader.verify_slab(holder_rows, slots)
+    else:
+        verified = await loader.verify(holder_rows, slots, dst)
+    if not verified:
         raise RuntimeError(f"{case}, {blocks} blocks: engine blocks differ from source")
     delta = {k: after[1][k] - before[1][k] for k in after[1]}
     registrations = (
@@ -299,6 +386,7 @@ async def run_case(
         ),
         "registrations_after_warmup": registrations,
         "verified": True,
+        "steps_p50_us": steps,
     }
 
 
@@ -306,26 +394,30 @@ def _size(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
-def print_table(results: list[dict[str, Any]], header: str) -> None:
-    print(header)
-    print()
+def print_table_head() -> None:
     print(
         "| transport | blocks | payload | p50 us | p95 us | wire/useful | "
         "copies/load | descriptors/load | registrations after warm-up |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in results:
-        descriptors = (
-            "-"
-            if r["descriptors_per_load"] is None
-            else f"{r['descriptors_per_load']:.0f}"
-        )
-        print(
-            f"| {r['case']} | {r['blocks']} | {_size(r['payload_bytes'])} | "
-            f"{r['p50_us']:.0f} | {r['p95_us']:.0f} | {r['wire_over_useful']:.2f} | "
-            f"{r['copies_per_load']:.0f} | {descriptors} | "
-            f"{r['registrations_after_warmup']} |"
-        )
+
+
+def print_row(r: dict[str, Any]) -> None:
+    """One result, printed as soon as its case ends: a run cut short by a time
+    limit still leaves every finished row."""
+    descriptors = (
+        "-" if r["descriptors_per_load"] is None else f"{r['descriptors_per_load']:.0f}"
+    )
+    print(
+        f"| {r['case']} | {r['blocks']} | {_size(r['payload_bytes'])} | "
+        f"{r['p50_us']:.0f} | {r['p95_us']:.0f} | {r['wire_over_useful']:.2f} | "
+        f"{r['copies_per_load']:.0f} | {descriptors} | "
+        f"{r['registrations_after_warmup']} |",
+        flush=True,
+    )
+    if r["steps_p50_us"]:
+        steps = ", ".join(f"{k} {v:.0f}" for k, v in r["steps_p50_us"].items())
+        print(f"|  | steps, p50 us: {steps} | | | | | | | |", flush=True)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -348,6 +440,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     BenchPeer,
                     args.device,
                     layout,
+                    args.engine_allocation,
                     args.torch_threads,
                     address=address,
                     uid=uid,
@@ -356,21 +449,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         holder, loader = peers
         await holder.instrument()
         await loader.instrument()
+        if args.breakdown:
+            await loader.instrument_breakdown()
         holder_rows = await holder.rows_bytes()
         cases = args.cases.split(",") if args.cases else list(CASES)
+        print(
+            f"device {device}"
+            + (
+                f" ({torch.cuda.get_device_name(device)})"
+                if device.type == "cuda"
+                else ""
+            )
+            + f", engine layout {layout} ({args.engine_allocation} allocation), "
+            f"torch {torch.__version__}, xoscar "
+            f"{importlib.metadata.version('xoscar')}, nixl "
+            f"{importlib.metadata.version('nixl')}, UCX_TLS "
+            f"{os.environ.get('UCX_TLS', '(unset)')}; {args.loads} loads after "
+            f"{args.warmup} warm-up per case\n"
+        )
+        print_table_head()
         results = []
         for blocks in SIZES:
             for case in cases:
-                results.append(
-                    await run_case(
-                        case, blocks, holder, loader, holder_address, holder_rows, args
-                    )
+                result = await run_case(
+                    case, blocks, holder, loader, holder_address, holder_rows, args
                 )
+                print_row(result)
+                results.append(result)
         ucx = await loader.ucx_report()
+        print(f"\n{ucx}")
     return {
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "engine_layout": layout,
+        "engine_allocation": args.engine_allocation,
         "torch": torch.__version__,
         "xoscar": importlib.metadata.version("xoscar"),
         "nixl": importlib.metadata.version("nixl"),
@@ -397,25 +509,27 @@ def main() -> None:
         help="engine KV layout (default: cpu on CPU, kv_first on CUDA)",
     )
     parser.add_argument(
+        "--engine-allocation",
+        choices=("one", "per-layer"),
+        default="one",
+        help="engine KV layers as views of one allocation, or one each",
+    )
+    parser.add_argument(
         "--torch-threads",
         type=int,
         default=1,
         help="torch intra-op threads per process (0: torch's default)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the steps of direct NIXL loads (plan, read, scatter, waits)",
     )
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()
     if args.loads < 1 or args.warmup < 1:
         parser.error("--loads and --warmup must be at least 1")
     report = asyncio.run(run(args))
-    header = (
-        f"device {report['device']}"
-        + (f" ({report['gpu']})" if report["gpu"] else "")
-        + f", engine layout {report['engine_layout']}, torch {report['torch']}, "
-        f"xoscar {report['xoscar']}, nixl {report['nixl']}, UCX_TLS "
-        f"{report['ucx_tls']}; {report['loads']} loads after {report['warmup']} "
-        f"warm-up per case\n{report['ucx']}"
-    )
-    print_table(report["results"], header)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(report, out, indent=2)
