@@ -44,6 +44,11 @@ with ``NixlTransferError`` (UCX reports the disconnect) and a stalled one with
 from that peer are refused meanwhile, so a stalled peer costs one deadline, not one
 per load.
 
+UCX on VRAM: an endpoint holding VRAM turns on cuda_ipc's get zero-copy and turns
+off UCX's software emulation for its agent (``VRAM_UCX_SETTINGS``), and every loader
+READs one row from each peer it meets (``add_peer``), so a READ that would crawl over
+TCP fails when the peer is met, saying why, rather than on every load.
+
 Device-generic: CPU tensors are NIXL DRAM, CUDA tensors VRAM; nothing else differs.
 """
 
@@ -767,6 +772,7 @@ class NixlAgentEndpoint:
         self._store_reg: Any = None
         # Zeroed once, so a slab never exposes stale memory.
         self._slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=self.device)
+        self._slab_region = NixlRegion.of(self._slab)
         self._slab_reg: Any = None
         self._probe = torch.zeros(row_bytes, dtype=torch.uint8, device=self.device)
         self._probe_reg: Any = None
@@ -839,7 +845,7 @@ class NixlAgentEndpoint:
         try:
             if self._store_rows.numel():
                 self._store_reg = self._register([NixlRegion.of(self._store_rows)])
-            self._slab_reg = self._register([NixlRegion.of(self._slab)])
+            self._slab_reg = self._register([self._slab_region])
             self._probe_reg = self._register([NixlRegion.of(self._probe)])
             if self._engine_map is not None:
                 self._register_engine(self._engine_map)
@@ -930,6 +936,11 @@ class NixlAgentEndpoint:
     @property
     def store_rows(self) -> torch.Tensor:
         return self._store_rows
+
+    @property
+    def slab_region(self) -> NixlRegion:
+        """The receive slab's region (looked up once per slab: a load's path)."""
+        return self._slab_region
 
     @property
     def slab(self) -> torch.Tensor:
@@ -1246,10 +1257,9 @@ class NixlAgentEndpoint:
         if destination == DEST_SLAB:
             hold = (self._slab, self._slab_reg)
             slab = torch.zeros_like(self._slab)
-            self._slab_reg = await asyncio.to_thread(
-                self._register, [NixlRegion.of(slab)]
-            )
-            self._slab = slab
+            region = NixlRegion.of(slab)
+            self._slab_reg = await asyncio.to_thread(self._register, [region])
+            self._slab, self._slab_region = slab, region
         self._orphans.setdefault(peer, []).append(_Orphan(handle, peer, started, hold))
         consequence = {
             DEST_SLAB: "the receive slab was retired until it ends",
@@ -1548,7 +1558,7 @@ class NixlDirectTransport:
                 # The last scatter may still be reading the slab on the device: the
                 # READ must not overwrite it before that work is done.
                 self._slab_readers.wait()
-                slab_region = NixlRegion.of(slab)
+                slab_region = self._endpoint.slab_region
                 plan = plan_slab_read(
                     source.first_rows,
                     num_layers,
