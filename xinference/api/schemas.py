@@ -10,8 +10,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
-
 
 class LaunchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -23,7 +21,7 @@ class LaunchRequest(BaseModel):
     replica: int = 1
     enable_xavier: bool = False
     xavier_gpu_cache_bytes: int | str | None = None
-    xavier_transport: str = DEFAULT_TRANSPORT
+    xavier_transport: str = "xoscar"
     router: str = "round-robin"
     router_busy_margin: int = 2
     tensor_parallel_size: int = 1

@@ -28,7 +28,6 @@ import httpx
 from ..client.restful_client import Client, XinferenceError
 from ..core.messages import format_counters
 from ..core.options import default_model_uid
-from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
 PROGRESS_POLL_S = 1.0
@@ -113,9 +112,9 @@ cli.add_command(local)
 )
 @click.option(
     "--xavier-transport",
-    default=DEFAULT_TRANSPORT,
+    default="xoscar",
     show_default=True,
-    type=click.Choice(list(TRANSPORTS)),
+    type=click.Choice(["xoscar", "nixl"]),
 )
 @click.option(
     "--router",
