@@ -1126,7 +1126,7 @@ class NixlAgentEndpoint:
         if not _post_inline(plan, local_mem_type):
             # A long post (a DRAM copy inside the call) in a thread; then wait.
             await finish_even_if_cancelled(
-                self._post_and_wait(handle, peer, plan, started, timeout_s, destination)
+                self._wait(handle, None, peer, plan, started, timeout_s, destination)
             )
             return
         # The common case finishes here without yielding to the event loop: post,
@@ -1177,35 +1177,25 @@ class NixlAgentEndpoint:
             f"{time.monotonic() - started:.3f} s: {exc!r}"
         )
 
-    async def _post_and_wait(
-        self,
-        handle: Any,
-        peer: str,
-        plan: ReadPlan,
-        started: float,
-        timeout_s: float,
-        destination: str,
-    ) -> None:
-        try:
-            state = await asyncio.to_thread(self._agent.transfer, handle)
-        except self._nixl_errors as exc:
-            self._release(handle)
-            raise self._failure(peer, plan, started, exc) from exc
-        await self._wait(handle, state, peer, plan, started, timeout_s, destination)
-
     async def _wait(
         self,
         handle: Any,
-        state: str,
+        state: str | None,
         peer: str,
         plan: ReadPlan,
         started: float,
         timeout_s: float,
         destination: str,
     ) -> None:
-        """Poll a posted READ to its end or its deadline; release or park it."""
+        """Poll a READ to its end or its deadline; release or park it. ``state``
+        None: post it first, in a thread (the post may do the whole copy)."""
         try:
-            state = await self._poll(handle, state, started + timeout_s)
+            posted: str = (
+                state
+                if state is not None
+                else await asyncio.to_thread(self._agent.transfer, handle)
+            )
+            state = await self._poll(handle, posted, started + timeout_s)
         except self._nixl_errors as exc:
             self._release(handle)
             raise self._failure(peer, plan, started, exc) from exc
@@ -1626,27 +1616,38 @@ class NixlDirectTransport:
         destination: str,
     ) -> None:
         assert peer.store is not None
+        with self._counted_failures(f"load from rank {holder_rank}"):
+            try:
+                await self._endpoint.read(
+                    peer.agent_name,
+                    plan,
+                    local_mem_type=local_mem_type,
+                    remote_mem_type=peer.store.mem_type,
+                    timeout_s=self._transfer_timeout_s,
+                    destination=destination,
+                )
+            except NixlTransferTimeout:
+                raise
+            except NixlTransferError:
+                # The peer may be gone or have changed: fetch its metadata afresh.
+                if self._peers.get(holder_rank) is peer:
+                    del self._peers[holder_rank]
+                    await self._endpoint.forget_peer(peer.agent_name)
+                raise
+
+    @contextlib.contextmanager
+    def _counted_failures(self, context: str) -> Iterator[None]:
+        """Count a failed or timed-out READ and re-raise it with ``context``."""
         try:
-            await self._endpoint.read(
-                peer.agent_name,
-                plan,
-                local_mem_type=local_mem_type,
-                remote_mem_type=peer.store.mem_type,
-                timeout_s=self._transfer_timeout_s,
-                destination=destination,
-            )
+            yield
         except NixlTransferTimeout as exc:
             self._counters.transfer_timeouts += 1
             raise NixlTransferTimeout(
-                f"load from rank {holder_rank}: {exc}", exc.destination_at_risk
+                f"{context}: {exc}", exc.destination_at_risk
             ) from exc
         except NixlTransferError as exc:
             self._counters.transfer_failures += 1
-            # The peer may be gone or have changed: fetch its metadata afresh next time.
-            if self._peers.get(holder_rank) is peer:
-                del self._peers[holder_rank]
-                await self._endpoint.forget_peer(peer.agent_name)
-            raise NixlTransferError(f"load from rank {holder_rank}: {exc}") from exc
+            raise NixlTransferError(f"{context}: {exc}") from exc
 
     def _count(self, plan: ReadPlan, useful_bytes: int) -> None:
         counters = self._counters
@@ -1679,18 +1680,10 @@ class NixlDirectTransport:
                 raise NixlTransferError(f"rank {holder_rank} has no device tier")
             if known is not None and known.agent_name != info.agent_name:
                 await self._endpoint.forget_peer(known.agent_name)
-            try:
+            with self._counted_failures(f"rank {holder_rank}"):
                 await self._endpoint.add_peer(
                     info, check_timeout_s=self._transfer_timeout_s
                 )
-            except NixlTransferTimeout as exc:
-                self._counters.transfer_timeouts += 1
-                raise NixlTransferTimeout(
-                    f"rank {holder_rank}: {exc}", exc.destination_at_risk
-                ) from exc
-            except NixlTransferError as exc:
-                self._counters.transfer_failures += 1
-                raise NixlTransferError(f"rank {holder_rank}: {exc}") from exc
             self._peers[holder_rank] = info
             self._counters.peer_metadata_loads += 1
             return info
