@@ -22,12 +22,16 @@ from xinference.model.llm.vllm.xavier.messages import KVGeometry
 from xinference.model.llm.vllm.xavier.nixl_transport import (
     PLACEMENT_ENGINE,
     PLACEMENT_SLAB,
+    PROGRESS_THREAD_DELAY_ENV,
+    PROGRESS_THREAD_DELAY_US,
     EngineBlockMap,
+    NixlAgentEndpoint,
     NixlRegion,
     NixlTransferError,
     NixlTransferTimeout,
     plan_engine_read,
     plan_slab_read,
+    progress_thread_delay_us,
     ucx_settings,
 )
 
@@ -461,6 +465,40 @@ def test_ucx_settings_fill_in_only_what_the_environment_leaves_unset(
 
 
 @pytest.mark.nixl
+async def test_an_idle_endpoint_does_not_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL's Python agent would poll UCX without pause (a core at 100% per agent,
+    busy or idle); ours waits up to PROGRESS_THREAD_DELAY_US between polls."""
+    monkeypatch.delenv(PROGRESS_THREAD_DELAY_ENV, raising=False)
+    endpoint = await NixlAgentEndpoint.create(
+        "idle",
+        row_bytes=GEOMETRY.layer_block_nbytes,
+        store_rows=torch.zeros(4, GEOMETRY.layer_block_nbytes, dtype=torch.uint8),
+        slab_bytes=4 * GEOMETRY.layer_block_nbytes,
+    )
+    try:
+        assert endpoint.progress_delay_us == PROGRESS_THREAD_DELAY_US > 0
+        await asyncio.sleep(0.2)  # past the agent's start
+        wall, cpu = time.monotonic(), time.process_time()
+        await asyncio.sleep(1.0)
+        busy = (time.process_time() - cpu) / (time.monotonic() - wall)
+    finally:
+        await endpoint.close()
+    # A spinning progress thread makes this about 1.0 (a whole core).
+    assert busy < 0.3
+
+
+@pytest.mark.parametrize("value", ["-1", "1ms", ""])
+def test_a_bad_progress_delay_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(PROGRESS_THREAD_DELAY_ENV, value)
+    with pytest.raises(ValueError, match=PROGRESS_THREAD_DELAY_ENV):
+        progress_thread_delay_us()
+    monkeypatch.setenv(PROGRESS_THREAD_DELAY_ENV, "250")
+    assert progress_thread_delay_us() == 250
+
+
+@pytest.mark.nixl
 @pytest.mark.cuda
 @CUDA_SKIP
 async def test_a_vram_endpoint_reads_zero_copy_from_its_peers() -> None:
@@ -491,18 +529,19 @@ BIG = KVGeometry(num_layers=2, layer_block_nbytes=256 * KiB, logical_dtype="bflo
 @pytest.mark.nixl
 @pytest.mark.slow
 async def test_a_holder_killed_mid_load_fails_the_load_within_the_deadline() -> None:
-    """The holder process dies while a 32 MiB READ from it is in flight: the load
+    """The holder process dies while a 64 MiB READ from it is in flight: the load
     fails with a NixlTransferError well within its deadline, instead of hanging."""
     deadline_s = 10.0
-    spec = PeerSpec("nixl", BIG, num_slots=64, transfer_timeout_s=deadline_s)
+    spec = PeerSpec("nixl", BIG, num_slots=128, transfer_timeout_s=deadline_s)
     async with transport_pair(spec, envs=TCP_ENVS) as (holder, loader, holder_address):
         await loader.load(holder_address, [0])  # connected, metadata loaded
-        slots = list(range(64))
+        slots = list(range(128))
         # Located beforehand, so the load goes straight to the READ.
         source = await loader.fetch_source(holder_address, slots)
         pid = await holder.pid()
         load = asyncio.ensure_future(loader.load(holder_address, slots, source=source))
-        await asyncio.sleep(0.05)
+        # Over tcp on loopback 64 MiB took about 60 ms on the CPU machine.
+        await asyncio.sleep(0.005)
         assert not load.done(), "the READ ended before the kill; make it larger"
         started = time.monotonic()
         os.kill(pid, signal.SIGKILL)

@@ -124,7 +124,16 @@ VRAM_UCX_SETTINGS = (
     ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on"),
     ("UCX_PROTO_EMULATION_ENABLE", "n"),
 )
-# os.environ is process-wide: one agent creation at a time changes it.
+# How long the agent's progress thread waits for UCX events when it has nothing to
+# do, in microseconds. NIXL 1.5's Python ``nixl_agent`` creates every agent with 0,
+# which makes the thread busy-poll: each idle agent kept one core at 100%, and with
+# one agent per transfer actor a 2-core machine lost its cores to idle spinning.
+# The wait ends early on a UCX event, so this bounds idle wakeups, not latency.
+# XAVIER_NIXL_PROGRESS_DELAY_US overrides it (0 restores NIXL's busy polling).
+PROGRESS_THREAD_DELAY_US = 1_000
+PROGRESS_THREAD_DELAY_ENV = "XAVIER_NIXL_PROGRESS_DELAY_US"
+# os.environ and the binding patch below are process-wide: one agent creation at a
+# time changes them.
 _UCX_ENV_LOCK = threading.Lock()
 # UCP feature bits (ucp.h): RMA for READ, AM for NIXL's notifications.
 _UCP_FEATURE_RMA = 1 << 1
@@ -346,6 +355,52 @@ def ucx_settings(
         finally:
             for name, _ in applied:
                 os.environ.pop(name, None)
+
+
+@contextlib.contextmanager
+def _progress_thread_delay(api: Any, delay_us: int) -> Iterator[None]:
+    """Make agents created by ``api.nixl_agent`` within the block use ``delay_us``
+    as their progress thread delay.
+
+    ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` itself and assigns
+    ``pthrDelay = 0`` with no way to pass another value, so for the duration of the
+    block the binding module seen by ``api`` hands out a config whose ``pthrDelay``
+    ignores that assignment. Call it holding ``_UCX_ENV_LOCK``.
+    """
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class DelayedConfig(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            base.pthrDelay.__set__(self, delay_us)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name != "pthrDelay":
+                super().__setattr__(name, value)
+
+    bindings.nixlAgentConfig = DelayedConfig
+    try:
+        yield
+    finally:
+        bindings.nixlAgentConfig = base
+
+
+def progress_thread_delay_us() -> int:
+    """The progress thread delay for new agents: the environment's, else ours."""
+    text = os.environ.get(PROGRESS_THREAD_DELAY_ENV)
+    if text is None:
+        return PROGRESS_THREAD_DELAY_US
+    try:
+        delay = int(text)
+    except ValueError:
+        delay = -1
+    if delay < 0:
+        raise ValueError(
+            f"{PROGRESS_THREAD_DELAY_ENV} must be a whole number of microseconds "
+            f">= 0, got {text!r}"
+        )
+    return delay
 
 
 def _loaded_library(fragment: str) -> str:
@@ -765,6 +820,7 @@ class NixlAgentEndpoint:
         self.generation = 1
         self.registrations = 0
         self.ucx_report: UcxReport | None = None
+        self.progress_delay_us = PROGRESS_THREAD_DELAY_US
         self.zero_copy_only = False
         self._agent: Any = None
         self._nixl_errors = _nixl_errors()
@@ -818,6 +874,7 @@ class NixlAgentEndpoint:
     # ---- start --------------------------------------------------------------------
 
     def _start(self) -> None:
+        import nixl._api as api  # type: ignore[import-not-found]
         from nixl._api import (  # type: ignore[import-not-found]
             nixl_agent,
             nixl_agent_config,
@@ -825,7 +882,11 @@ class NixlAgentEndpoint:
         )
 
         settings = VRAM_UCX_SETTINGS if self.device.type == "cuda" else ()
-        with ucx_settings(settings) as applied:
+        self.progress_delay_us = progress_thread_delay_us()
+        with (
+            ucx_settings(settings) as applied,
+            _progress_thread_delay(api, self.progress_delay_us),
+        ):
             # RW sync: posts may run in worker threads while the event loop polls.
             self._agent = nixl_agent(
                 self.agent_name,
@@ -897,12 +958,13 @@ class NixlAgentEndpoint:
         assert report is not None
         logger.info(
             "NIXL endpoint %s on %s: device tier %d bytes, receive slab %d bytes, "
-            "engine cache %s; %s",
+            "engine cache %s, progress thread delay %d us; %s",
             self.agent_name,
             self.device,
             self._store_rows.numel(),
             self._slab.numel(),
             "registered" if self._engine_map is not None else "not registered",
+            self.progress_delay_us,
             report.describe(),
         )
         if report.tcp_only:
