@@ -217,7 +217,7 @@ def test_cli_launch_states_the_xavier_settings(xavier_run: Run) -> None:
     assert "loading 2 engine(s)" in xavier_run.launch_output
     assert f"Model uid: {MODEL_NAME}" in xavier_run.launch_output
     assert (
-        "Xavier: on, GPU-first, device budget 67108864 bytes, transport xoscar"
+        "Xavier: on, GPU-first, device budget 67108864 bytes, transport nixl"
         in xavier_run.launch_output
     )
     assert "replica 0: nixl://" in xavier_run.launch_output
@@ -241,7 +241,7 @@ def test_options_arrive_in_each_replica_process(
         assert report["xavier"] == {
             "enabled": True,
             "gpu_cache_bytes": 64 * 1024 * 1024,
-            "transport": "xoscar",
+            "transport": "nixl",  # the default
             "model_uid": MODEL_NAME,
             "rank": rank,
             "tracker_address": report["xavier"]["tracker_address"],
@@ -277,7 +277,10 @@ def test_second_replica_serves_the_shared_prefix_from_the_first(
     assert metric(xavier_run, "xavier_load_errors_total", 1) == 0
     # replica 0 computed every prefix itself
     assert metric(xavier_run, "xavier_remote_hits_total", 0) == 0
-    assert metric(xavier_run, "xavier_useful_bytes_total", 0) > 0
+    # the default transport READs exactly the payload: wire bytes equal useful bytes
+    useful = metric(xavier_run, "xavier_received_useful_bytes_total", 1)
+    assert useful > 0
+    assert metric(xavier_run, "xavier_received_wire_bytes_total", 1) == useful
 
 
 def test_router_keys_match_what_the_replicas_registered(xavier_run: Run) -> None:

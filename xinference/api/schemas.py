@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
+
 
 class LaunchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -21,7 +23,7 @@ class LaunchRequest(BaseModel):
     replica: int = 1
     enable_xavier: bool = False
     xavier_gpu_cache_bytes: int | str | None = None
-    xavier_transport: str = "xoscar"
+    xavier_transport: str = DEFAULT_TRANSPORT
     router: str = "round-robin"
     router_busy_margin: int = 2
     tensor_parallel_size: int = 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..model.llm.vllm.xavier.config import XavierConfig, parse_size
+from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, XavierConfig, parse_size
 from .registry import registered_models
 
 SUPPORTED_ENGINES = ("vllm",)
@@ -76,7 +76,7 @@ class LaunchSpec:
         replica: int = 1,
         enable_xavier: bool = False,
         xavier_gpu_cache_bytes: int | str | None = None,
-        xavier_transport: str = "xoscar",
+        xavier_transport: str = DEFAULT_TRANSPORT,
         router: str = "round-robin",
         router_busy_margin: int = 2,
         tensor_parallel_size: int = 1,

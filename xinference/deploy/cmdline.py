@@ -28,6 +28,7 @@ import httpx
 from ..client.restful_client import Client, XinferenceError
 from ..core.messages import format_counters
 from ..core.options import default_model_uid
+from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
 PROGRESS_POLL_S = 1.0
@@ -112,9 +113,9 @@ cli.add_command(local)
 )
 @click.option(
     "--xavier-transport",
-    default="xoscar",
+    default=DEFAULT_TRANSPORT,
     show_default=True,
-    type=click.Choice(["xoscar", "nixl"]),
+    type=click.Choice(list(TRANSPORTS)),
 )
 @click.option(
     "--router",

@@ -257,8 +257,14 @@ def _table(off: RunResult, on: RunResult, workload: Workload) -> str:
                 for r in (off, on)
             ),
         ),
-        ("wire bytes", *(metric(r, "xavier_wire_bytes_total") for r in (off, on))),
-        ("useful bytes", *(metric(r, "xavier_useful_bytes_total") for r in (off, on))),
+        (
+            "wire bytes received",
+            *(metric(r, "xavier_received_wire_bytes_total") for r in (off, on)),
+        ),
+        (
+            "useful bytes received",
+            *(metric(r, "xavier_received_useful_bytes_total") for r in (off, on)),
+        ),
         ("TTFT p50, all requests (ms)", *(f"{r.ttft_p50_ms():.1f}" for r in (off, on))),
         (
             "TTFT p50, prefix new to the replica (ms)",

@@ -31,6 +31,7 @@ from xinference.model.llm.vllm.xavier.block_tracker import (
     BlockTrackerActor,
     tracker_uid,
 )
+from xinference.model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 from xinference.model.llm.vllm.xavier.device import (
     SharedTensorHandles,
     export_tensors,
@@ -204,6 +205,7 @@ class Cluster:
         rpc_timeout_s: float = 20.0,
         map_caches: bool = True,
         lease_ttl_s: float = 300.0,
+        transport: str = DEFAULT_TRANSPORT,
     ) -> Any:
         """A transfer actor for ``engine`` in sub-pool ``rank``, its caches mapped
         the way the connector's worker side maps them."""
@@ -216,6 +218,7 @@ class Cluster:
             cpu_capacity_blocks=cpu_capacity_blocks,
             rpc_timeout_s=rpc_timeout_s,
             lease_ttl_s=lease_ttl_s,
+            transport=transport,
         )
         ref = await xo.create_actor(
             XavierTransferActor,

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from xinference.model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.layout import (
     BLOCK_FIRST_LAYOUT,
@@ -63,13 +64,14 @@ async def holder_and_loader(
     cpu_capacity_blocks: int = 64,
     spec: EngineSpec = SPEC,
     device: str = "cpu",
+    transport: str = DEFAULT_TRANSPORT,
 ):
     spec = dataclasses.replace(spec, device=device)
     engines = [SyntheticEngine(spec), SyntheticEngine(spec)]
     holder = await cluster.add_replica(
-        0, engines[0], gpu_cache_bytes, cpu_capacity_blocks
+        0, engines[0], gpu_cache_bytes, cpu_capacity_blocks, transport=transport
     )
-    loader = await cluster.add_replica(1, engines[1], None, 64)
+    loader = await cluster.add_replica(1, engines[1], None, 64, transport=transport)
     return engines, holder, loader
 
 
@@ -133,7 +135,8 @@ async def test_all_bf16_bit_patterns_survive_a_load_from_a_peer_process(
         CPU_TIER
     )
     if DEVICE_TIER in expected_tiers:
-        assert holder_stats["transport"]["copies"] >= 1  # a real copy_to was made
+        # a real transfer carried them (a NIXL READ, or a copy_to with xoscar)
+        assert loader_stats["transport"]["received_copies"] >= 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -209,6 +212,11 @@ async def test_two_replicas_load_from_each_other_at_the_same_time(cluster, devic
 # ---- cancellation and close -----------------------------------------------------------
 
 BIG = EngineSpec(CPU_LAYOUT, num_layers=2, num_blocks=1024)
+# The tests below need a load still running when they act on it. Over the xoscar
+# path a 600-1000 block load takes a push call per chunk, long enough on CPU; the
+# direct NIXL READs finish it before a cancel or close arrives. The transfer
+# actor's cancel and close logic is the same for both transports.
+SLOW_TRANSPORT = "xoscar"
 
 
 async def test_cancel_mid_load_keeps_blocks_and_lease_until_writes_finish(cluster):
@@ -216,7 +224,11 @@ async def test_cancel_mid_load_keeps_blocks_and_lease_until_writes_finish(cluste
     finished, its destination blocks cannot be given to another load and the
     holder's lease stays; afterwards both are free and a new load works."""
     (source, target), holder, loader = await holder_and_loader(
-        cluster, gpu_cache_bytes=1 << 30, cpu_capacity_blocks=0, spec=BIG
+        cluster,
+        gpu_cache_bytes=1 << 30,
+        cpu_capacity_blocks=0,
+        spec=BIG,
+        transport=SLOW_TRANSPORT,
     )
     n = 1000
     keys = prompt_keys(n, salt=3)
@@ -247,7 +259,11 @@ async def test_cancel_mid_load_keeps_blocks_and_lease_until_writes_finish(cluste
 
 async def test_close_while_loading_drains_the_load_then_refuses_work(cluster):
     (source, target), holder, loader = await holder_and_loader(
-        cluster, gpu_cache_bytes=1 << 30, cpu_capacity_blocks=0, spec=BIG
+        cluster,
+        gpu_cache_bytes=1 << 30,
+        cpu_capacity_blocks=0,
+        spec=BIG,
+        transport=SLOW_TRANSPORT,
     )
     n = 600
     keys = prompt_keys(n, salt=4)

@@ -139,6 +139,12 @@ class Deployment:
             self.engines[rank] = EngineProcess(f"replica{rank}", kwargs, env).start()
         for rank, engine in self.engines.items():
             engine.wait_ready()
+            # The worker maps its caches in the background after the engine is up
+            # (the nixl transport's agent alone takes about half a second to start)
+            # and the scheduler learns the replica's identity, without which it
+            # looks nothing up remotely, from the first step after that: wait for
+            # the mapping, then warm up.
+            self.cluster.wait_mapped(rank)
             engine.generate([WARMUP[rank]], MAX_TOKENS)
 
     def expected(self, prompt: list[int]) -> tuple[int, ...]:

@@ -425,6 +425,15 @@ class XavierCluster:
     def stats(self, rank: int) -> dict[str, Any]:
         return self.call(self.transfer_refs[rank].stats())
 
+    def wait_mapped(self, rank: int, timeout: float = 120.0) -> None:
+        """Block until replica ``rank``'s engine has mapped its KV caches into its
+        transfer actor (the actor then has a store)."""
+        deadline = time.monotonic() + timeout
+        while not self.stats(rank)["store"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {rank} did not map its KV caches")
+            time.sleep(0.1)
+
     def close(self) -> None:
         for ref in self.transfer_refs.values():
             try:

@@ -30,7 +30,7 @@ import torch
 import xoscar as xo
 
 from .aio import finish_even_if_cancelled
-from .config import TRANSPORTS, transfer_actor_uid
+from .config import DEFAULT_TRANSPORT, TRANSPORTS, transfer_actor_uid
 from .cpu_transfer import CpuRowsReply, gather_cpu_rows, load_cpu_rows
 from .device import SharedTensorHandles, fence, import_tensors, release_memory
 from .gpu_transfer import check_logical_dtype, chunk_row_index
@@ -78,7 +78,7 @@ class TransferActorConfig:
     tracker_uid: str
     gpu_cache_bytes: int | None = None
     cpu_capacity_blocks: int | None = None
-    transport: str = "xoscar"
+    transport: str = DEFAULT_TRANSPORT
     rpc_timeout_s: float = 30.0
     # A lease older than this is released by the holder itself: the loader that
     # took it died or lost track of it, and its snapshots must not stay pinned.
