@@ -20,8 +20,10 @@ transport, so one run compares them under the same conditions:
                 engine blocks).
 
 ``--engine-allocation one`` lays the engine's layers out as views of one allocation
-(vLLM on CPU does; the scatter then copies a chunk in one kernel), ``per-layer``
-gives each layer its own allocation (vLLM on GPU does; one copy per layer).
+(vLLM on CPU does; the scatter then copies a chunk in one kernel through the stacked
+layers), ``per-layer`` gives each layer its own allocation (vLLM on GPU does; one
+copy through the piece span where the addresses allow, else one per layer). The
+header says which scatter path the loader took.
 
 Loads carry 1, 16 and 64 snapshots of Qwen2.5-0.5B in BF16 (24 layers x 8 KiB per
 layer-block = 192 KiB per block; 64 blocks = 12 MiB). Each case runs ``--warmup``
@@ -326,6 +328,9 @@ class BenchPeer(xo.StatelessActor):
     def rows_bytes(self) -> bytes:
         return self.rows.cpu().numpy().tobytes()
 
+    def scatter_path(self) -> str:
+        return self.cache.scatter_path
+
 
 def _no_scatter(first_row: int, rows: torch.Tensor) -> None:
     """nixl-read: the rows stay in the receive slab."""
@@ -452,6 +457,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.breakdown:
             await loader.instrument_breakdown()
         holder_rows = await holder.rows_bytes()
+        scatter_path = await loader.scatter_path()
         cases = args.cases.split(",") if args.cases else list(CASES)
         print(
             f"device {device}"
@@ -460,7 +466,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if device.type == "cuda"
                 else ""
             )
-            + f", engine layout {layout} ({args.engine_allocation} allocation), "
+            + f", engine layout {layout} ({args.engine_allocation} allocation, "
+            f"scatter {scatter_path}), "
             f"torch {torch.__version__}, xoscar "
             f"{importlib.metadata.version('xoscar')}, nixl "
             f"{importlib.metadata.version('nixl')}, UCX_TLS "

@@ -228,19 +228,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_SKIP])]
 
 
 def one_allocation(
-    layout: str, num_layers: int, gap: int = 0, device: str = "cpu"
+    layout: str, num_layers: int, gap: int = 0, device: str = "cpu", uneven: int = 0
 ) -> list[torch.Tensor]:
     """Per-layer views of one flat allocation, as vLLM on CPU lays them out; ``gap``
-    elements of padding between layers."""
+    elements of padding between layers, plus ``uneven`` times the layer's index
+    more before each (then the layers are not equally spaced)."""
     shape = layer_tensor(layout).shape
     per_layer = layer_tensor(layout).numel()
-    flat = torch.zeros(
-        num_layers * (per_layer + gap), dtype=torch.bfloat16, device=device
-    )
-    step = per_layer + gap
-    return [
-        flat[i * step : i * step + per_layer].view(shape) for i in range(num_layers)
+    starts = [
+        i * (per_layer + gap) + uneven * i * (i + 1) // 2 for i in range(num_layers)
     ]
+    flat = torch.zeros(starts[-1] + per_layer, dtype=torch.bfloat16, device=device)
+    return [flat[start : start + per_layer].view(shape) for start in starts]
 
 
 def expected_after_scatter(
@@ -255,22 +254,35 @@ def expected_after_scatter(
     return layers
 
 
+# allocation -> (scatter path for whole snapshots, one_allocation's arguments
+# with the gap and the unevenness in blocks of one layer, or None: separate tensors)
+ALLOCATIONS: dict[str, tuple[str, tuple[float, float] | None]] = {
+    "one allocation": ("stacked", (0, 0)),
+    "padded": ("stacked", (0.25, 0)),  # a gap of a quarter block
+    "uneven": ("span", (1, 2)),  # whole blocks apart, not equally
+    "uneven, off the pieces": ("per layer", (0, 0.0625)),
+    "separate tensors": ("span or per layer", None),  # up to the allocator
+}
+
+
 @pytest.mark.parametrize("layout", [CPU_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT])
-@pytest.mark.parametrize("allocation", ["one allocation", "padded", "separate tensors"])
+@pytest.mark.parametrize("allocation", list(ALLOCATIONS))
 @pytest.mark.parametrize("first_row, num_rows", [(0, 9), (3, 3), (2, 5), (6, 3)])
 @pytest.mark.parametrize("device", DEVICES)
 def test_scatter_rows_matches_writing_each_row(
     layout: str, allocation: str, first_row: int, num_rows: int, device: str
 ) -> None:
-    """Whole-snapshot chunks in stacked layers take one copy, everything else one
-    per layer: both write exactly the rows asked for and nothing else."""
+    """Whole-snapshot chunks take one copy (stacked layers, or a span over the
+    layers' pieces) where the addresses allow, one per layer otherwise, as do all
+    other chunks: every path writes exactly the rows asked for and nothing else."""
     num_layers = 3
-    if allocation == "separate tensors":
+    path, spacing = ALLOCATIONS[allocation]
+    if spacing is None:
         tensors = [layer_tensor(layout).to(device) for _ in range(num_layers)]
     else:
-        tensors = one_allocation(
-            layout, num_layers, gap=8 if allocation == "padded" else 0, device=device
-        )
+        block = layer_tensor(layout).numel() // NB  # elements of one block
+        gap, uneven = (int(x * block) for x in spacing)
+        tensors = one_allocation(layout, num_layers, gap, device, uneven)
     for i, tensor in enumerate(tensors):
         tensor.view(torch.int16).copy_(
             (torch.arange(tensor.numel(), dtype=torch.int16) + 100 * i)
@@ -278,7 +290,7 @@ def test_scatter_rows_matches_writing_each_row(
             .to(device)
         )
     cache = BlockMajorCache(tensors, detect_layout(tensors, NB, layout))
-    assert (cache._stacked is not None) == (allocation != "separate tensors")
+    assert cache.scatter_path in path.split(" or ")
     expected = [
         cache.gather(layer, long(range(NB))).cpu() for layer in range(num_layers)
     ]

@@ -18,8 +18,11 @@ checked on arrival, so every BF16 bit pattern survives.
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -244,11 +247,27 @@ class BlockMajorCache:
         # spaced views of one storage (vLLM on CPU does): then ``scatter_rows``
         # writes a chunk of whole snapshots with one copy instead of one per layer,
         # which is what a GPU load's time is made of (each copy is a kernel launch).
+        # Otherwise (vLLM on a GPU allocates each layer on its own) every block
+        # piece as a row of one view over the layers' address range, if their
+        # addresses allow it: one index computation and one copy per chunk.
         self._stacked = _stacked_layers(self._layers)
+        self._span = (
+            None
+            if self._stacked is not None
+            else _PieceSpan.build(self._layers, layout.block_axis, self._element)
+        )
 
     @property
     def num_layers(self) -> int:
         return len(self._layers)
+
+    @property
+    def scatter_path(self) -> str:
+        """How ``scatter_rows`` writes a chunk of whole snapshots: ``stacked`` or
+        ``span`` (one copy), or ``per layer``."""
+        if self._stacked is not None:
+            return "stacked"
+        return "span" if self._span is not None else "per layer"
 
     @property
     def geometry(self) -> KVGeometry:
@@ -349,9 +368,11 @@ class BlockMajorCache:
 
     def _scatter_snapshots(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole snapshots ``(keys * L, R)`` into blocks ``index`` of every layer:
-        one copy through the stacked view, else one per layer with the views
-        prepared once (each copy is a kernel launch on a GPU; the Python around
-        it is what remains to save)."""
+        one copy through the piece span or the stacked view, else one per layer
+        (each copy is a kernel launch on a GPU)."""
+        if self._span is not None:
+            self._span.scatter(index, rows)
+            return
         keys, num_layers = index.numel(), self.num_layers
         elements = wide_view(rows, self._element)
         blocks = elements.reshape((keys, num_layers) + self._element_block_shape)
@@ -419,3 +440,112 @@ def _stacked_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided(
         (len(layers),) + shape, (step,) + tuple(strides), first.storage_offset()
     )
+
+
+def contiguous_pieces(block: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """Byte offsets (from ``block``'s start, in row-major order of its elements) of
+    the contiguous pieces of a ``uint8`` view, and the length of each piece."""
+    shape, strides = block.shape, block.stride()
+    dense = 1
+    split = len(shape)
+    # The trailing dimensions that are laid out densely form one piece.
+    while split > 0 and (strides[split - 1] == dense or shape[split - 1] == 1):
+        dense *= shape[split - 1]
+        split -= 1
+    lead_shape, lead_strides = shape[:split], strides[:split]
+    offsets = tuple(
+        sum(i * s for i, s in zip(index, lead_strides, strict=True))
+        for index in itertools.product(*(range(n) for n in lead_shape))
+    )
+    return offsets, dense
+
+
+class _PieceSpan:
+    """Every block piece of every layer as a row of one 2-D view.
+
+    A piece is a contiguous run of a block's bytes in one layer (the whole block, or
+    its K and its V in the K/V-first layout). When every piece starts a whole
+    number of pieces after the lowest layer's start, the address range from there
+    to the end of the highest layer can be viewed as ``(units, piece)``, and a
+    chunk of whole snapshots is written with one ``index_copy_`` whose row indices
+    one broadcast addition computes on the device. The view spans memory between
+    the layers that is not ours: only rows computed from checked block ids are
+    written, and the layers are checked not to overlap.
+    """
+
+    def __init__(
+        self, span: torch.Tensor, piece_rows: torch.Tensor, block_step: int
+    ) -> None:
+        self._span = span  # (units, piece elements)
+        self._piece_rows = piece_rows  # (layers, pieces per block): rows of block 0
+        self._block_step = block_step  # rows from one block to the next
+
+    @classmethod
+    def build(
+        cls, layers: Sequence[torch.Tensor], block_axis: int, element: torch.dtype
+    ) -> _PieceSpan | None:
+        """The span over ``layers`` (same shape and strides, in ``element``), or
+        None when their addresses do not fall on whole pieces."""
+        byte_layers = [layer.view(torch.uint8) for layer in layers]
+        first = byte_layers[0]
+        if min(first.stride()) < 0 or any(
+            t.stride() != first.stride() for t in byte_layers
+        ):
+            return None
+        offsets, piece = contiguous_pieces(first.select(block_axis, 0))
+        block_stride = first.stride(block_axis)
+        bases = [t.data_ptr() for t in byte_layers]
+        low = min(bases)
+        if piece % element.itemsize or any(
+            x % piece for x in (block_stride, *offsets, *(b - low for b in bases))
+        ):
+            return None
+        extent = 1 + sum(
+            (n - 1) * s for n, s in zip(first.shape, first.stride(), strict=True)
+        )
+        ordered = sorted(bases)
+        if any(b - a < extent for a, b in zip(ordered, ordered[1:], strict=False)):
+            return None  # overlapping layers: a row could belong to two of them
+        units = (ordered[-1] + extent - low) // piece
+        span = _raw_bytes(low, units * piece, first.device)
+        piece_rows = torch.tensor(
+            [[(b + o - low) // piece for o in offsets] for b in bases],
+            dtype=torch.long,
+            device=first.device,
+        )
+        return cls(
+            span.view(element).view(units, piece // element.itemsize),
+            piece_rows,
+            block_stride // piece,
+        )
+
+    def scatter(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Whole snapshots ``rows`` ``(keys * L, R)`` uint8 into blocks ``index``
+        (checked, on the device) of every layer."""
+        targets = torch.add(
+            self._piece_rows, index.view(-1, 1, 1), alpha=self._block_step
+        )
+        source = wide_view(rows, self._span.dtype).reshape(-1, self._span.shape[1])
+        self._span.index_copy_(0, targets.view(-1), source)
+
+
+class _CudaBytes:
+    """``__cuda_array_interface__`` of a device address range, for ``as_tensor``."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def _raw_bytes(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A ``uint8`` tensor over memory that something else owns (no copy)."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaBytes(address, nbytes), device=device)
+    if device.type == "cpu":
+        buffer: Any = (ctypes.c_uint8 * nbytes).from_address(address)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+    raise ValueError(f"cannot view raw memory on {device}")

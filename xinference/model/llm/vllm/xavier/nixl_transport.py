@@ -57,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import itertools
 import logging
 import os
 import threading
@@ -75,6 +74,7 @@ from .aio import finish_even_if_cancelled
 from .device import DeviceWorkMark
 from .gpu_transfer import ScatterFn, full_slab_bytes
 from .hashing import BlockHash
+from .layout import contiguous_pieces
 from .messages import DEVICE_TIER, KVGeometry, PushRequest
 
 logger = logging.getLogger(__name__)
@@ -528,7 +528,7 @@ class EngineBlockMap:
                 )
             if tensor.device != first.device:
                 raise ValueError("engine KV layers must be on one device")
-        offsets, segment = _contiguous_pieces(first.select(block_axis, 0))
+        offsets, segment = contiguous_pieces(first.select(block_axis, 0))
         if segment * len(offsets) != row_bytes:
             raise ValueError(
                 f"an engine block of one layer has {segment * len(offsets)} bytes, the "
@@ -556,24 +556,6 @@ class EngineBlockMap:
             segment_nbytes=segment,
             num_blocks=first.shape[block_axis],
         )
-
-
-def _contiguous_pieces(block: torch.Tensor) -> tuple[tuple[int, ...], int]:
-    """Byte offsets (from ``block``'s start, in row-major order of its elements) of
-    the contiguous pieces of a ``uint8`` view, and the length of each piece."""
-    shape, strides = block.shape, block.stride()
-    dense = 1
-    split = len(shape)
-    # The trailing dimensions that are laid out densely form one piece.
-    while split > 0 and (strides[split - 1] == dense or shape[split - 1] == 1):
-        dense *= shape[split - 1]
-        split -= 1
-    lead_shape, lead_strides = shape[:split], strides[:split]
-    offsets = tuple(
-        sum(i * s for i, s in zip(index, lead_strides, strict=True))
-        for index in itertools.product(*(range(n) for n in lead_shape))
-    )
-    return offsets, dense
 
 
 # ---- read plans: descriptor lists for one READ ---------------------------------------
