@@ -67,7 +67,7 @@ def make_caches(device: str) -> dict[str, BlockMajorCache]:
             layers, detect_layout(layers, NUM_BLOCKS, KV_FIRST_LAYOUT)
         )
         if case == "per layer, loop":
-            cache._span = None
+            cache._span = None  # the baseline: the path the span replaced
         elif case == "per layer, span" and cache.scatter_path != "span":
             raise SystemExit("the allocator's addresses do not allow a piece span here")
         caches[case] = cache
