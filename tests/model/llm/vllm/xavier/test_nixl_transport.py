@@ -464,11 +464,28 @@ def test_ucx_settings_fill_in_only_what_the_environment_leaves_unset(
     assert os.environ["UCX_PROTO_EMULATION_ENABLE"] == "y"
 
 
+def _thread_cpu_seconds(tids: set[str]) -> float:
+    """CPU time (user + system) that threads ``tids`` of this process have used."""
+    ticks = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # the thread has ended
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.mark.nixl
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 async def test_an_idle_endpoint_does_not_spin(monkeypatch: pytest.MonkeyPatch) -> None:
     """NIXL's Python agent would poll UCX without pause (a core at 100% per agent,
-    busy or idle); ours waits up to PROGRESS_THREAD_DELAY_US between polls."""
+    busy or idle); ours waits up to PROGRESS_THREAD_DELAY_US between polls. Counted
+    over the threads the endpoint started, so other agents in this process (from
+    other tests) do not count."""
     monkeypatch.delenv(PROGRESS_THREAD_DELAY_ENV, raising=False)
+    before = set(os.listdir("/proc/self/task"))
     endpoint = await NixlAgentEndpoint.create(
         "idle",
         row_bytes=GEOMETRY.layer_block_nbytes,
@@ -478,9 +495,11 @@ async def test_an_idle_endpoint_does_not_spin(monkeypatch: pytest.MonkeyPatch) -
     try:
         assert endpoint.progress_delay_us == PROGRESS_THREAD_DELAY_US > 0
         await asyncio.sleep(0.2)  # past the agent's start
-        wall, cpu = time.monotonic(), time.process_time()
+        started = set(os.listdir("/proc/self/task")) - before
+        assert started, "the agent started no thread"
+        wall, cpu = time.monotonic(), _thread_cpu_seconds(started)
         await asyncio.sleep(1.0)
-        busy = (time.process_time() - cpu) / (time.monotonic() - wall)
+        busy = (_thread_cpu_seconds(started) - cpu) / (time.monotonic() - wall)
     finally:
         await endpoint.close()
     # A spinning progress thread makes this about 1.0 (a whole core).
