@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from xinference.model.llm.vllm.xavier.nixl_transport import (
     NixlRegion,
     NixlTransferError,
     NixlTransferTimeout,
+    _progress_thread_delay,
     plan_engine_read,
     plan_slab_read,
     progress_thread_delay_us,
@@ -504,6 +506,26 @@ async def test_an_idle_endpoint_does_not_spin(monkeypatch: pytest.MonkeyPatch) -
         await endpoint.close()
     # A spinning progress thread makes this about 1.0 (a whole core).
     assert busy < 0.3
+
+
+@pytest.mark.nixl
+def test_the_delay_patch_is_undone_and_skipped_where_nixl_differs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import nixl._api as api
+
+    base = api.nixlBind.nixlAgentConfig
+    with _progress_thread_delay(api, 250):
+        config = api.nixlBind.nixlAgentConfig()
+        config.pthrDelay = 0  # what nixl_agent assigns
+        assert config.pthrDelay == 250
+    assert api.nixlBind.nixlAgentConfig is base
+    assert base().pthrDelay == 0
+    # A NIXL whose bindings lack the field: agents start with its default.
+    other = SimpleNamespace(nixlBind=SimpleNamespace(nixlAgentConfig=object))
+    with _progress_thread_delay(other, 250):
+        assert other.nixlBind.nixlAgentConfig is object
+    assert "cannot set the NIXL progress thread delay" in caplog.text
 
 
 @pytest.mark.parametrize("value", ["-1", "1ms", ""])

@@ -367,8 +367,16 @@ def _progress_thread_delay(api: Any, delay_us: int) -> Iterator[None]:
     block the binding module seen by ``api`` hands out a config whose ``pthrDelay``
     ignores that assignment. Call it holding ``_UCX_ENV_LOCK``.
     """
-    bindings = api.nixlBind
-    base = bindings.nixlAgentConfig
+    bindings: Any = getattr(api, "nixlBind", None)
+    base: Any = getattr(bindings, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):
+        # Another NIXL than the one this was written for (1.5): keep its default.
+        logger.warning(
+            "cannot set the NIXL progress thread delay in this NIXL version; its "
+            "progress thread may poll without pause"
+        )
+        yield
+        return
 
     class DelayedConfig(base):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
