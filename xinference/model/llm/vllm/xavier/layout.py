@@ -442,7 +442,7 @@ def _stacked_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
     )
 
 
-def contiguous_pieces(block: torch.Tensor) -> tuple[tuple[int, ...], int]:
+def _contiguous_pieces(block: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """Byte offsets (from ``block``'s start, in row-major order of its elements) of
     the contiguous pieces of a ``uint8`` view, and the length of each piece."""
     shape, strides = block.shape, block.stride()
@@ -460,17 +460,67 @@ def contiguous_pieces(block: torch.Tensor) -> tuple[tuple[int, ...], int]:
     return offsets, dense
 
 
+@dataclass(frozen=True, slots=True)
+class BlockPieces:
+    """Where the blocks of per-layer KV tensors lie, piece by piece.
+
+    Piece ``s`` of block ``b`` in layer ``l`` starts at byte address
+    ``layer_bases[l] + b * block_stride + segment_offsets[s]`` and is
+    ``segment_nbytes`` long; a row is the pieces in order. One piece per block in
+    block-major layouts, two (K, V) in the K/V-first layout. ``layer_extent``: the
+    bytes from a layer's first to one past its last.
+    """
+
+    layer_bases: tuple[int, ...]
+    block_stride: int
+    segment_offsets: tuple[int, ...]
+    segment_nbytes: int
+    num_blocks: int
+    layer_extent: int
+
+    @classmethod
+    def of(cls, layers: Sequence[torch.Tensor], block_axis: int) -> BlockPieces:
+        """Describe ``layers`` (any dtype) whose block axis is ``block_axis``;
+        ValueError unless they are laid out alike on one device."""
+        if not layers:
+            raise ValueError("no KV cache layers to describe")
+        byte_layers = [
+            t if t.dtype == torch.uint8 else t.view(torch.uint8) for t in layers
+        ]
+        first = byte_layers[0]
+        for layer, tensor in enumerate(byte_layers):
+            if tensor.shape != first.shape or tensor.stride() != first.stride():
+                raise ValueError(
+                    f"KV cache layer {layer} has shape {tuple(tensor.shape)} and "
+                    f"strides {tensor.stride()}, layer 0 {tuple(first.shape)} and "
+                    f"{first.stride()}: layers must be laid out alike"
+                )
+            if tensor.device != first.device:
+                raise ValueError("KV cache layers must be on one device")
+        offsets, segment = _contiguous_pieces(first.select(block_axis, 0))
+        return cls(
+            layer_bases=tuple(t.data_ptr() for t in byte_layers),
+            block_stride=first.stride(block_axis),
+            segment_offsets=offsets,
+            segment_nbytes=segment,
+            num_blocks=first.shape[block_axis],
+            layer_extent=1
+            + sum(
+                (n - 1) * s for n, s in zip(first.shape, first.stride(), strict=True)
+            ),
+        )
+
+
 class _PieceSpan:
     """Every block piece of every layer as a row of one 2-D view.
 
-    A piece is a contiguous run of a block's bytes in one layer (the whole block, or
-    its K and its V in the K/V-first layout). When every piece starts a whole
-    number of pieces after the lowest layer's start, the address range from there
-    to the end of the highest layer can be viewed as ``(units, piece)``, and a
-    chunk of whole snapshots is written with one ``index_copy_`` whose row indices
-    one broadcast addition computes on the device. The view spans memory between
-    the layers that is not ours: only rows computed from checked block ids are
-    written, and the layers are checked not to overlap.
+    A piece is a contiguous run of a block's bytes in one layer (``BlockPieces``).
+    When every piece starts a whole number of pieces after the lowest layer's start,
+    the address range from there to the end of the highest layer can be viewed as
+    ``(units, piece)``, and a chunk of whole snapshots is written with one
+    ``index_copy_`` whose row indices one broadcast addition computes on the device.
+    The view spans memory between the layers that is not ours: only rows computed
+    from checked block ids are written, and the layers are checked not to overlap.
     """
 
     def __init__(
@@ -484,39 +534,44 @@ class _PieceSpan:
     def build(
         cls, layers: Sequence[torch.Tensor], block_axis: int, element: torch.dtype
     ) -> _PieceSpan | None:
-        """The span over ``layers`` (same shape and strides, in ``element``), or
-        None when their addresses do not fall on whole pieces."""
-        byte_layers = [layer.view(torch.uint8) for layer in layers]
-        first = byte_layers[0]
-        if min(first.stride()) < 0 or any(
-            t.stride() != first.stride() for t in byte_layers
-        ):
+        """The span over ``layers`` (same shape, in ``element``), or None when
+        they are laid out differently or their addresses do not fall on whole
+        pieces."""
+        if min(layers[0].stride()) < 0:
             return None
-        offsets, piece = contiguous_pieces(first.select(block_axis, 0))
-        block_stride = first.stride(block_axis)
-        bases = [t.data_ptr() for t in byte_layers]
+        try:
+            pieces = BlockPieces.of(layers, block_axis)
+        except ValueError:
+            return None
+        piece, bases = pieces.segment_nbytes, pieces.layer_bases
         low = min(bases)
         if piece % element.itemsize or any(
-            x % piece for x in (block_stride, *offsets, *(b - low for b in bases))
+            x % piece
+            for x in (
+                pieces.block_stride,
+                *pieces.segment_offsets,
+                *(b - low for b in bases),
+            )
         ):
             return None
-        extent = 1 + sum(
-            (n - 1) * s for n, s in zip(first.shape, first.stride(), strict=True)
-        )
         ordered = sorted(bases)
-        if any(b - a < extent for a, b in zip(ordered, ordered[1:], strict=False)):
+        if any(
+            b - a < pieces.layer_extent
+            for a, b in zip(ordered, ordered[1:], strict=False)
+        ):
             return None  # overlapping layers: a row could belong to two of them
-        units = (ordered[-1] + extent - low) // piece
-        span = _raw_bytes(low, units * piece, first.device)
+        units = (ordered[-1] + pieces.layer_extent - low) // piece
+        device = layers[0].device
+        span = _raw_bytes(low, units * piece, device)
         piece_rows = torch.tensor(
-            [[(b + o - low) // piece for o in offsets] for b in bases],
+            [[(b + o - low) // piece for o in pieces.segment_offsets] for b in bases],
             dtype=torch.long,
-            device=first.device,
+            device=device,
         )
         return cls(
             span.view(element).view(units, piece // element.itemsize),
             piece_rows,
-            block_stride // piece,
+            pieces.block_stride // piece,
         )
 
     def scatter(self, index: torch.Tensor, rows: torch.Tensor) -> None:

@@ -74,7 +74,7 @@ from .aio import finish_even_if_cancelled
 from .device import DeviceWorkMark
 from .gpu_transfer import ScatterFn, full_slab_bytes
 from .hashing import BlockHash
-from .layout import contiguous_pieces
+from .layout import BlockPieces
 from .messages import DEVICE_TIER, KVGeometry, PushRequest
 
 logger = logging.getLogger(__name__)
@@ -499,13 +499,8 @@ def _read_all(fd: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EngineBlockMap:
-    """Addresses of every (block, layer) piece of the engine's KV cache.
-
-    The piece ``s`` of block ``b`` in layer ``l`` starts at
-    ``layer_bases[l] + b * block_stride + segment_offsets[s]`` and is
-    ``segment_nbytes`` long; a row (``layout.py``) is the pieces in order. One piece
-    per block in block-major layouts, two (K, V) in the K/V-first layout.
-    """
+    """Addresses of every (block, layer) piece of the engine's KV cache (the fields
+    of ``layout.BlockPieces``), with the allocations NIXL registers for them."""
 
     mem_type: str
     device_id: int
@@ -521,29 +516,15 @@ class EngineBlockMap:
         cls, layers: Sequence[torch.Tensor], block_axis: int, row_bytes: int
     ) -> EngineBlockMap:
         """Describe per-layer KV tensors whose block axis is ``block_axis``."""
-        if not layers:
-            raise ValueError("no engine KV layers to describe")
-        byte_layers = [
-            t if t.dtype == torch.uint8 else t.view(torch.uint8) for t in layers
-        ]
-        first = byte_layers[0]
-        for layer, tensor in enumerate(byte_layers):
-            if tensor.shape != first.shape or tensor.stride() != first.stride():
-                raise ValueError(
-                    f"engine KV layer {layer} has shape {tuple(tensor.shape)} and "
-                    f"strides {tensor.stride()}, layer 0 {tuple(first.shape)} and "
-                    f"{first.stride()}: layers must be laid out alike"
-                )
-            if tensor.device != first.device:
-                raise ValueError("engine KV layers must be on one device")
-        offsets, segment = contiguous_pieces(first.select(block_axis, 0))
-        if segment * len(offsets) != row_bytes:
+        pieces = BlockPieces.of(layers, block_axis)
+        nbytes = pieces.segment_nbytes * len(pieces.segment_offsets)
+        if nbytes != row_bytes:
             raise ValueError(
-                f"an engine block of one layer has {segment * len(offsets)} bytes, the "
-                f"geometry says {row_bytes}"
+                f"an engine block of one layer has {nbytes} bytes, the geometry says "
+                f"{row_bytes}"
             )
         regions: dict[int, NixlRegion] = {}
-        for tensor in byte_layers:
+        for tensor in layers:
             storage = tensor.untyped_storage()
             regions.setdefault(
                 storage.data_ptr(),
@@ -554,15 +535,16 @@ class EngineBlockMap:
                     _device_id(tensor.device),
                 ),
             )
+        device = layers[0].device
         return cls(
-            mem_type=_mem_type(first.device),
-            device_id=_device_id(first.device),
+            mem_type=_mem_type(device),
+            device_id=_device_id(device),
             regions=tuple(regions.values()),
-            layer_bases=tuple(t.data_ptr() for t in byte_layers),
-            block_stride=first.stride(block_axis),
-            segment_offsets=offsets,
-            segment_nbytes=segment,
-            num_blocks=first.shape[block_axis],
+            layer_bases=pieces.layer_bases,
+            block_stride=pieces.block_stride,
+            segment_offsets=pieces.segment_offsets,
+            segment_nbytes=pieces.segment_nbytes,
+            num_blocks=pieces.num_blocks,
         )
 
 
@@ -865,11 +847,6 @@ class NixlAgentEndpoint:
 
     def _start(self) -> None:
         import nixl._api as api  # type: ignore[import-not-found]
-        from nixl._api import (  # type: ignore[import-not-found]
-            nixl_agent,
-            nixl_agent_config,
-            nixl_thread_sync_t,
-        )
 
         settings = VRAM_UCX_SETTINGS if self.device.type == "cuda" else ()
         self.progress_delay_us = progress_thread_delay_us()
@@ -878,13 +855,13 @@ class NixlAgentEndpoint:
             _progress_thread_delay(api, self.progress_delay_us),
         ):
             # RW sync: posts may run in worker threads while the event loop polls.
-            self._agent = nixl_agent(
+            self._agent = api.nixl_agent(
                 self.agent_name,
-                nixl_agent_config(
+                api.nixl_agent_config(
                     enable_prog_thread=True,
                     enable_listen_thread=False,
                     backends=["UCX"],
-                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+                    sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
                 ),
             )
             self.ucx_report = probe_ucx(self._agent, applied)
