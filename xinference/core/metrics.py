@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from .dispatch import RouteCounters
 from .messages import ReplicaStats
@@ -108,6 +113,12 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
         "Loads from a peer that failed (the engine recomputed those blocks)",
     ),
     XavierMetric("actor.loads_ok", "xavier_loads", "Loads from a peer that completed"),
+    XavierMetric(
+        "actor.connector_faults",
+        "xavier_connector_faults",
+        "Faults inside the vLLM connector that Xavier contained (the engine went "
+        "on; the affected requests recomputed)",
+    ),
     XavierMetric(
         "store.device_snapshots", "xavier_snapshots", _HELD, kind="gauge", tier="device"
     ),
@@ -242,3 +253,24 @@ def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
         for key, value in values[name].items():
             family.add_metric(list(key), value)
         yield family
+    yield _load_latency_histogram(samples)
+
+
+def _load_latency_histogram(samples: Sequence[ReplicaSample]) -> Metric:
+    """``xavier_load_seconds`` from each replica's ``load_latency`` summary
+    (cumulative ``[upper bound, count]`` buckets, their sum and count)."""
+    family = HistogramMetricFamily(
+        "xavier_load_seconds",
+        "Time from the start of a load from a peer to its result (successful loads)",
+        labels=_LABELS,
+    )
+    for sample in samples:
+        summary = (sample.stats.xavier or {}).get("load_latency")
+        if not isinstance(summary, dict) or "buckets" not in summary:
+            continue
+        buckets = [(repr(float(bound)), count) for bound, count in summary["buckets"]]
+        buckets.append(("+Inf", summary["count"]))
+        family.add_metric(
+            _labels(sample.stats), buckets, sum_value=float(summary["sum_s"])
+        )
+    return family

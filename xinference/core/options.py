@@ -77,6 +77,7 @@ class LaunchSpec:
         enable_xavier: bool = False,
         xavier_gpu_cache_bytes: int | str | None = None,
         xavier_transport: str = DEFAULT_TRANSPORT,
+        xavier_cross_layer_blocks: bool = False,
         router: str = "round-robin",
         router_busy_margin: int = 2,
         tensor_parallel_size: int = 1,
@@ -117,6 +118,7 @@ class LaunchSpec:
             enable_xavier,
             xavier_gpu_cache_bytes,
             xavier_transport,
+            xavier_cross_layer_blocks,
             engine=engine_name,
             replica=replica,
             tensor_parallel_size=tensor_parallel_size,
@@ -185,21 +187,22 @@ def _xavier_config(
     enable_xavier: bool,
     gpu_cache_bytes: int | str | None,
     transport: str,
+    cross_layer_blocks: bool,
     *,
     engine: str,
     replica: int,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
 ) -> XavierConfig:
-    if not isinstance(enable_xavier, bool):
-        raise LaunchOptionError(
-            f"enable_xavier must be a boolean, got {enable_xavier!r}"
-        )
-    if not enable_xavier:
+    if not _require_bool("enable_xavier", enable_xavier):
         if gpu_cache_bytes is not None:
             raise LaunchOptionError(
                 "xavier_gpu_cache_bytes is set but enable_xavier is not; "
                 "pass enable_xavier to use the GPU-first cache"
+            )
+        if cross_layer_blocks:
+            raise LaunchOptionError(
+                "xavier_cross_layer_blocks is set but enable_xavier is not"
             )
         return XavierConfig(enabled=False)
     if engine != "vllm":
@@ -222,9 +225,22 @@ def _xavier_config(
     except ValueError as error:
         raise LaunchOptionError(f"invalid xavier_gpu_cache_bytes: {error}") from None
     try:
-        return XavierConfig(enabled=True, gpu_cache_bytes=size, transport=transport)
+        return XavierConfig(
+            enabled=True,
+            gpu_cache_bytes=size,
+            transport=transport,
+            cross_layer_blocks=_require_bool(
+                "xavier_cross_layer_blocks", cross_layer_blocks
+            ),
+        )
     except ValueError as error:
         raise LaunchOptionError(str(error)) from None
+
+
+def _require_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise LaunchOptionError(f"{name} must be a boolean, got {value!r}")
+    return value
 
 
 def _require_int(name: str, value: Any, *, minimum: int) -> None:

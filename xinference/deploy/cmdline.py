@@ -118,6 +118,11 @@ cli.add_command(local)
     type=click.Choice(list(TRANSPORTS)),
 )
 @click.option(
+    "--xavier-cross-layer-blocks",
+    is_flag=True,
+    help="ask vLLM for one KV allocation where a block of every layer is contiguous",
+)
+@click.option(
     "--router",
     default="round-robin",
     show_default=True,

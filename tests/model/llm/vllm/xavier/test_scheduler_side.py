@@ -258,7 +258,9 @@ def test_allocation_turns_the_reservation_into_a_load(loop, tracker):
     side = make_side(loop, tracker, holder)
     assert side.num_new_matched_tokens("r", prompt, BS) == (2 * BS, False)
     side.on_allocated("r", [[7, 8, 9, 10]], 2 * BS)
-    step = side.build_step([ScheduledRequest("r", 3 * BS, 4, [7, 8, 9, 10])])
+    step = side.build_step(
+        [ScheduledRequest("r", 3 * BS, 4, [7, 8, 9, 10], whole_table=True)]
+    )
     (item,) = step.loads
     assert item.req_id == "r" and item.load is not None
     assert item.load.dst_block_ids == (8, 9)
@@ -318,17 +320,45 @@ def test_chunked_prefill_stages_each_full_block_once(loop, tracker):
     keys = hash_full_blocks(prompt, BS, NS)
     assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
     side.on_allocated("r", [[4, 5, 6]], 0)
-    step1 = side.build_step([ScheduledRequest("r", 0, 6, [4, 5])])
-    step2 = side.build_step([ScheduledRequest("r", 6, 5, [4, 5, 6])])
-    step3 = side.build_step([ScheduledRequest("r", 11, 1, [4, 5, 6])])  # decode
+    # vLLM sends the whole table first, then only appended blocks.
+    step1 = side.build_step([ScheduledRequest("r", 0, 6, [4, 5], whole_table=True)])
+    step2 = side.build_step([ScheduledRequest("r", 6, 5, [6])])
+    step3 = side.build_step([ScheduledRequest("r", 11, 1, [])])  # decode
     assert [(s.key, s.block_id) for s in step1.stage] == [(keys[0], 4)]
     assert [(s.key, s.block_id) for s in step2.stage] == [(keys[1], 5)]
     assert step3.stage == ()
 
 
+def test_a_resumed_request_stages_into_its_new_block_table(loop, tracker):
+    """Preempted after its first block was staged, the request comes back with a
+    whole new table (vLLM lists it in resumed_req_ids): later blocks are staged
+    from the new table, not from positions appended to the old one."""
+    side = make_side(loop, tracker, Holder())
+    prompt = list(range(200, 213))  # 3 full blocks and a tail of 1
+    keys = hash_full_blocks(prompt, BS, NS)
+    side.num_new_matched_tokens("r", prompt, 0)
+    first = side.build_step([ScheduledRequest("r", 0, 4, [3], whole_table=True)])
+    assert [(s.key, s.block_id) for s in first.stage] == [(keys[0], 3)]
+    # Preempted; resumed with a local hit on block 0 only, in other blocks.
+    again = side.build_step(
+        [ScheduledRequest("r", BS, 9, [8, 9, 11, 12], whole_table=True)]
+    )
+    assert [(s.key, s.block_id) for s in again.stage] == [(keys[1], 9), (keys[2], 11)]
+
+
+def test_appended_blocks_without_a_whole_table_are_never_staged(loop, tracker):
+    """Staging by guessed positions could publish a block under another block's key:
+    a request whose whole table vLLM never sent publishes nothing."""
+    side = make_side(loop, tracker, Holder())
+    prompt = list(range(300, 309))
+    side.num_new_matched_tokens("r", prompt, 0)
+    assert side.build_step([ScheduledRequest("r", 0, 9, [5, 6])]).stage == ()
+
+
 def test_unknown_requests_are_not_staged(loop, tracker):
     side = make_side(loop, tracker, Holder())
-    assert side.build_step([ScheduledRequest("x", 0, 8, [1, 2])]).stage == ()
+    step = side.build_step([ScheduledRequest("x", 0, 8, [1, 2], whole_table=True)])
+    assert step.stage == ()
 
 
 def test_tracker_failure_is_a_miss(loop, tracker):
@@ -355,3 +385,70 @@ def test_background_loop_deadline_cancels():
         background.close()
     with pytest.raises(RuntimeError, match="closed"):
         background.submit(asyncio.sleep(0))
+
+
+def test_a_request_gets_one_load_at_most(loop, tracker):
+    """vLLM asks again about a request whose load failed (it recomputes from the
+    first failed block): a second remote hit would retry the same failing load
+    for ever, so the answer is now 0."""
+    holder = Holder()
+    prompt = list(range(500, 513))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (3 * BS, False)
+    side.on_allocated("r", [[1, 2, 3, 4]], 3 * BS)
+    assert len(side.build_step([]).loads) == 1
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+
+
+def test_an_abandoned_load_fails_its_blocks_and_is_not_retried(loop, tracker):
+    """The facade could not turn a reservation into a load (a fault after vLLM
+    counted external tokens): the lease goes back, the worker is told to fail the
+    request's blocks, and the request is not offered a remote hit again."""
+    holder = Holder()
+    prompt = list(range(600, 613))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (3 * BS, False)
+    side.abandon_load("r", [7, None, 8])
+    (item,) = side.build_step([]).loads
+    assert item.load is None and item.failed_block_ids == (7, 8)
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+
+
+def test_failing_pending_loads_releases_their_leases(loop, tracker):
+    holder = Holder()
+    prompt = list(range(700, 713))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    side.on_allocated("r", [[4, 5, 6, 9]], 3 * BS)
+    step = side.fail_pending_loads()
+    (item,) = step.loads
+    assert item.load is None and item.failed_block_ids == (4, 5, 6)
+    assert side.build_step([]).loads == ()
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+
+
+def test_a_load_the_worker_reports_failed_is_not_reported_as_a_hit(loop, tracker):
+    """vLLM hands the connector the blocks the worker could not load; a request
+    whose load wrote one of them recomputed its prefix, so its output must not
+    claim external tokens."""
+    holder = Holder()
+    prompt = list(range(800, 813))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    side.on_allocated("r", [[4, 5, 6, 9]], 3 * BS)
+    side.build_step([])
+    side.loads_failed({99})  # another request's block: no change
+    assert side.request_finished("r") is not None
+    side.num_new_matched_tokens("s", prompt, 0)
+    side.on_allocated("s", [[14, 15, 16, 19]], 3 * BS)
+    side.build_step([])
+    side.loads_failed({15})
+    assert side.request_finished("s") is None
+    assert side.stats["loads_failed"] == 1

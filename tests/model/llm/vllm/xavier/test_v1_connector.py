@@ -11,13 +11,17 @@ Setup (module scope, at most two engines alive at a time):
    loads between scheduler steps) start with the connector; each serves one
    unrelated warm-up request first (see platform-notes: SIGILL on CPU otherwise).
 
-A test-only hook (``XAVIER_TEST_CORRUPT_KEYS_FILE``) lets replica A overwrite the
-blocks of listed keys with noise before staging them, for the control that proves B
-really uses the transferred bytes.
+Both replicas load ``InstrumentedXavierConnector`` (``instrumented_connector.py``):
+the production connector plus two controls, each a file in the replica's test
+directory. ``corrupt_keys`` makes replica A overwrite listed blocks with noise
+before staging them (the control that proves B really uses the transferred bytes);
+``faults`` makes listed methods of a connector half raise (the engine must contain
+the fault and recompute).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import tempfile
@@ -30,9 +34,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks  # noqa: E402
-from xinference.model.llm.vllm.xavier.worker_side import (  # noqa: E402
-    CORRUPT_KEYS_FILE_ENV,
-)
+
+from .instrumented_connector import CORRUPT_KEYS_FILE, FAULTS_FILE  # noqa: E402
 
 from .vllm_support import (  # noqa: E402
     BLOCK_SIZE,
@@ -88,6 +91,20 @@ PROMPT_EVICTED = tokens(300, 4 * BLOCK_SIZE + 5)
 PROMPT_REFUSED = tokens(301, 4 * BLOCK_SIZE + 5)
 PROMPT_GONE = tokens(302, 4 * BLOCK_SIZE + 5)
 WARMUP = {0: tokens(900, 40), 1: tokens(901, 40)}
+# Contained faults: (holder's prompt, loader's prompt) sharing 4 full blocks.
+FAULT_PAIRS = {
+    name: (prefix + tokens(seed + 1, 9), prefix + tokens(seed + 2, 13))
+    for name, seed, prefix in (
+        (name, seed, tokens(seed, 4 * BLOCK_SIZE))
+        for name, seed in (
+            ("on_allocated", 400),
+            ("build_step", 410),
+            ("start_load_kv", 420),
+            ("wait_for_save", 430),
+            ("after", 440),
+        )
+    )
+}
 
 ALL_PROMPTS = [
     PROMPT_A,
@@ -102,6 +119,7 @@ ALL_PROMPTS = [
     PROMPT_EVICTED,
     PROMPT_REFUSED,
     PROMPT_GONE,
+    *(prompt for pair in FAULT_PAIRS.values() for prompt in pair),
 ]
 
 
@@ -116,7 +134,11 @@ class Deployment:
         self.reference: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.cluster: XavierCluster | None = None
         self.engines: dict[int, EngineProcess] = {}
-        self.corrupt_file = Path(tempfile.mkdtemp(prefix="xavier-corrupt-")) / "keys"
+        # rank -> the directory of that replica's test controls
+        self.test_dirs = {
+            rank: Path(tempfile.mkdtemp(prefix=f"xavier-test-{rank}-")) for rank in (0, 1)
+        }
+        self.corrupt_file = self.test_dirs[0] / CORRUPT_KEYS_FILE
 
     def compute_reference(self) -> None:
         engine = EngineProcess("reference", engine_kwargs(self.model)).start()
@@ -133,10 +155,13 @@ class Deployment:
         self.cluster = XavierCluster(MODEL_UID, num_replicas=2, rpc_timeout_s=5.0)
         self.cluster.start_transfer_actor(0, gpu_cache_bytes=None)
         self.cluster.start_transfer_actor(1, gpu_cache_bytes=0)
-        env = {CORRUPT_KEYS_FILE_ENV: str(self.corrupt_file)}
         for rank in (0, 1):
-            kwargs = engine_kwargs(self.model, self.cluster.replica_settings(rank))
-            self.engines[rank] = EngineProcess(f"replica{rank}", kwargs, env).start()
+            kwargs = engine_kwargs(
+                self.model,
+                self.cluster.replica_settings(rank),
+                test_dir=self.test_dirs[rank],
+            )
+            self.engines[rank] = EngineProcess(f"replica{rank}", kwargs).start()
         for rank, engine in self.engines.items():
             engine.wait_ready()
             # The worker maps its caches in the background after the engine is up
@@ -146,6 +171,16 @@ class Deployment:
             # the mapping, then warm up.
             self.cluster.wait_mapped(rank)
             engine.generate([WARMUP[rank]], MAX_TOKENS)
+
+    @contextlib.contextmanager
+    def faults(self, rank: int, *methods: str) -> Iterator[None]:
+        """Make the listed connector-half methods of replica ``rank`` raise."""
+        path = self.test_dirs[rank] / FAULTS_FILE
+        path.write_text("\n".join(methods) + "\n")
+        try:
+            yield
+        finally:
+            path.unlink()
 
     def expected(self, prompt: list[int]) -> tuple[int, ...]:
         return self.reference[tuple(prompt)]
@@ -297,3 +332,59 @@ def test_holder_gone_is_a_miss(deployment):
     cluster.call(cluster.tracker.register_replica(6, f"nixl://127.0.0.1:{port}"))
     cluster.call(cluster.tracker.register_blocks(6, lookup_keys(PROMPT_GONE)))
     timed_miss(deployment, PROMPT_GONE)
+
+
+# ---- faults inside the connector: contained, recomputed, the engine goes on ----
+
+
+def fault_count(deployment: Deployment, rank: int) -> int:
+    return int(deployment.cluster.stats(rank)["actor"]["connector_faults"])
+
+
+@pytest.mark.parametrize(
+    "method, holder, loader",
+    [
+        # B loads asynchronously: a request vLLM parks until its load is reported
+        # must not wait forever when the scheduler half fails on its allocation...
+        ("on_allocated", 0, 1),
+        # ...or when building the step that would start the load fails.
+        ("build_step", 0, 1),
+        # A loads synchronously, before the forward: a worker half that fails to
+        # start the load must not let the forward read unwritten blocks.
+        ("start_load_kv", 1, 0),
+    ],
+)
+def test_a_fault_on_the_load_path_is_contained_and_recomputed(
+    deployment, method, holder, loader
+):
+    holder_prompt, loader_prompt = FAULT_PAIRS[method]
+    serve(deployment, holder, holder_prompt)
+    before = fault_count(deployment, loader)
+    with deployment.faults(loader, method):
+        completion = serve(deployment, loader, loader_prompt)
+    assert completion.token_ids == deployment.expected(loader_prompt)
+    assert xavier_external_tokens(completion) == 0
+    deadline = time.monotonic() + 10
+    while fault_count(deployment, loader) == before and time.monotonic() < deadline:
+        time.sleep(0.1)  # the count reaches the actor without blocking the engine
+    assert fault_count(deployment, loader) > before
+
+
+def test_a_fault_while_staging_costs_the_peer_a_miss_only(deployment):
+    """A's worker fails to stage its blocks: nothing is published, so B computes
+    the shared prefix itself, and both outputs are right."""
+    holder_prompt, loader_prompt = FAULT_PAIRS["wait_for_save"]
+    with deployment.faults(0, "wait_for_save"):
+        a = serve(deployment, 0, holder_prompt)
+    assert a.token_ids == deployment.expected(holder_prompt)
+    b = serve(deployment, 1, loader_prompt)
+    assert xavier_external_tokens(b) == 0
+    assert b.token_ids == deployment.expected(loader_prompt)
+
+
+def test_remote_hits_work_again_once_the_faults_stop(deployment):
+    holder_prompt, loader_prompt = FAULT_PAIRS["after"]
+    serve(deployment, 0, holder_prompt)
+    b = serve(deployment, 1, loader_prompt)
+    assert xavier_external_tokens(b) == 4 * BLOCK_SIZE
+    assert b.token_ids == deployment.expected(loader_prompt)

@@ -152,9 +152,21 @@ def test_failing_load_policy_is_refused():
 
 
 def test_old_vllm_is_refused(monkeypatch):
-    monkeypatch.setattr(v1_connector.vllm, "__version__", "0.20.2")
+    monkeypatch.setattr(v1_connector.vllm, "__version__", "0.25.1")
     message = refusal(vllm_config())
-    assert "vLLM 0.20.2 is too old" in message and ">= 0.21" in message
+    assert "vLLM 0.25.1 is too old" in message and ">= 0.26" in message
+
+
+def test_newer_vllm_is_warned_about_not_refused(monkeypatch, caplog):
+    monkeypatch.setattr(v1_connector.vllm, "__version__", "0.40.0")
+    assert unsupported_reasons(vllm_config(), PLAIN) == []
+    with caplog.at_level("WARNING", logger=v1_connector.__name__):
+        v1_connector.warn_if_untested()
+    assert "not been tested with vLLM 0.40.0" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(v1_connector.vllm, "__version__", "0.26.0")
+    v1_connector.warn_if_untested()
+    assert caplog.text == ""
 
 
 def test_missing_settings_are_refused():

@@ -28,6 +28,7 @@ from typing import Any
 import xoscar as xo
 
 REPO_ROOT = Path(__file__).resolve().parents[5]
+INSTRUMENTED_MODULE = "tests.model.llm.vllm.xavier.instrumented_connector"
 BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
 ENGINE_START_TIMEOUT_S = 240.0
 
@@ -71,11 +72,14 @@ def engine_kwargs(
     *,
     kv_cache_bytes: int = 64 << 20,
     max_model_len: int = 2048,
+    test_dir: Path | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments for a CPU test engine (plain data, picklable).
 
     ``xavier`` is ``XavierReplicaSettings.to_dict()``; None serves without Xavier.
+    With ``test_dir`` the engine loads ``InstrumentedXavierConnector`` (its control
+    files live there) instead of the production connector.
     """
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
@@ -89,12 +93,19 @@ def engine_kwargs(
         seed=0,
     )
     if xavier is not None:
+        extra: dict[str, Any] = {"xavier": xavier}
+        connector = ("XavierConnector", "xinference.model.llm.vllm.xavier.v1_connector")
+        if test_dir is not None:
+            from .instrumented_connector import TEST_DIR_KEY
+
+            extra[TEST_DIR_KEY] = str(test_dir)
+            connector = ("InstrumentedXavierConnector", INSTRUMENTED_MODULE)
         kwargs["kv_transfer"] = dict(
-            kv_connector="XavierConnector",
-            kv_connector_module_path="xinference.model.llm.vllm.xavier.v1_connector",
+            kv_connector=connector[0],
+            kv_connector_module_path=connector[1],
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"xavier": xavier},
+            kv_connector_extra_config=extra,
         )
         kwargs["disable_hybrid_kv_cache_manager"] = True
     kwargs.update(overrides)

@@ -56,11 +56,14 @@ class XavierConfig:
     ``gpu_cache_bytes``: None keeps snapshots in CPU memory only; 0 selects the
     GPU-first path with no device budget; a positive value is the device tier's
     byte budget (rounded down to whole blocks by the store).
+    ``cross_layer_blocks``: ask vLLM for one KV allocation in which a block of
+    every layer is contiguous (where its model runner offers it).
     """
 
     enabled: bool = False
     gpu_cache_bytes: int | None = None
     transport: str = DEFAULT_TRANSPORT
+    cross_layer_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.gpu_cache_bytes is not None and self.gpu_cache_bytes < 0:
@@ -78,6 +81,7 @@ class XavierConfig:
         enable_xavier: bool = False,
         xavier_gpu_cache_bytes: int | str | None = None,
         xavier_transport: str = DEFAULT_TRANSPORT,
+        xavier_cross_layer_blocks: bool = False,
     ) -> XavierConfig:
         size = (
             None
@@ -88,6 +92,7 @@ class XavierConfig:
             enabled=bool(enable_xavier),
             gpu_cache_bytes=size,
             transport=xavier_transport,
+            cross_layer_blocks=bool(xavier_cross_layer_blocks),
         )
 
     @property
@@ -102,7 +107,8 @@ class XavierConfig:
             tier = "CPU snapshots only"
         else:
             tier = f"GPU-first, device budget {self.gpu_cache_bytes} bytes"
-        return f"Xavier: on, {tier}, transport {self.transport}"
+        layout = ", cross-layer KV blocks" if self.cross_layer_blocks else ""
+        return f"Xavier: on, {tier}, transport {self.transport}{layout}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,7 @@ class XavierReplicaSettings:
             "enabled": self.config.enabled,
             "gpu_cache_bytes": self.config.gpu_cache_bytes,
             "transport": self.config.transport,
+            "cross_layer_blocks": self.config.cross_layer_blocks,
             "model_uid": self.model_uid,
             "rank": self.rank,
             "tracker_address": self.tracker_address,
@@ -146,6 +153,7 @@ class XavierReplicaSettings:
                 enabled=bool(data["enabled"]),
                 gpu_cache_bytes=data["gpu_cache_bytes"],
                 transport=data.get("transport", DEFAULT_TRANSPORT),
+                cross_layer_blocks=bool(data.get("cross_layer_blocks", False)),
             )
             return cls(
                 config=config,

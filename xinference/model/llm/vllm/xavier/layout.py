@@ -520,7 +520,9 @@ class _PieceSpan:
     ``(units, piece)``, and a chunk of whole snapshots is written with one
     ``index_copy_`` whose row indices one broadcast addition computes on the device.
     The view spans memory between the layers that is not ours: only rows computed
-    from checked block ids are written, and the layers are checked not to overlap.
+    from checked block ids are written, and the layers are checked either not to
+    overlap (one allocation per layer) or to interleave block by block (one
+    allocation for all layers) without two pieces sharing a row.
     """
 
     def __init__(
@@ -555,19 +557,27 @@ class _PieceSpan:
         ):
             return None
         ordered = sorted(bases)
-        if any(
-            b - a < pieces.layer_extent
+        first_rows = [
+            (b + o - low) // piece for b in bases for o in pieces.segment_offsets
+        ]
+        apart = all(
+            b - a >= pieces.layer_extent
             for a, b in zip(ordered, ordered[1:], strict=False)
-        ):
+        )
+        # Layers interleaved block by block (vLLM's cross-layer allocation): every
+        # row of block 0 distinct and inside one block stride, so block b's rows
+        # are block 0's shifted by b strides and no row belongs to two pieces.
+        interleaved = len(set(first_rows)) == len(first_rows) and max(
+            first_rows
+        ) < pieces.block_stride // piece
+        if not (apart or interleaved):
             return None  # overlapping layers: a row could belong to two of them
         units = (ordered[-1] + pieces.layer_extent - low) // piece
         device = layers[0].device
         span = _raw_bytes(low, units * piece, device)
         piece_rows = torch.tensor(
-            [[(b + o - low) // piece for o in pieces.segment_offsets] for b in bases],
-            dtype=torch.long,
-            device=device,
-        )
+            first_rows, dtype=torch.long, device=device
+        ).view(len(bases), len(pieces.segment_offsets))
         return cls(
             span.view(element).view(units, piece // element.itemsize),
             piece_rows,

