@@ -3,14 +3,19 @@
 #
 # vLLM first (two calls back to back, from the project root; the machine stays
 # warm about 30 s between calls, and /tmp/site lives only while it is warm):
-#   here:  KEEP_MOE=0 OUT=$PWD/.vllm-chunks bash ../shared/device/vllm-gpu-chunks.sh
+#   here:  KEEP_MOE=0 OUT=$PWD/.vllm-chunks-nomoe bash ../shared/device/vllm-gpu-chunks.sh
 #          bash ../shared/device/make-wheels.sh      # .whl: xoscar, NIXL, uvicorn...
-#   run(carry=[".vllm-chunks/c01"], command="bash .vllm-chunks/c01/plan.sh stash c01")
-#   run(carry=[".vllm-chunks/c02", ".whl"], command="bash .vllm-chunks/c02/plan.sh
-#       stash c02 && bash .vllm-chunks/c02/plan.sh install && bash benchmark/run_h200_vllm.sh")
+#   run(carry=[".vllm-chunks-nomoe/c01"],
+#       command="bash .vllm-chunks-nomoe/c01/plan.sh stash c01")
+#   run(carry=[".vllm-chunks-nomoe/c02", ".whl"],
+#       command="bash .vllm-chunks-nomoe/c02/plan.sh stash c02 &&
+#                bash .vllm-chunks-nomoe/c02/plan.sh install && bash benchmark/run_h200_vllm.sh")
 # (KEEP_MOE=0 drops the MoE kernels a dense model never loads: the bundle is then
-# 78 MiB, so the second piece and .whl travel together.) A later warm call:
-#   run(carry=[".whl"], command="DEPLOYS='on-ca v1 xl' bash benchmark/run_h200_vllm.sh")
+# 78 MiB, so the second piece and .whl travel together.) Later warm calls need no
+# carry (.site and /tmp/site stay while the machine is warm):
+#   run(command="SKIP_WHEELS=1 DEPLOYS='on-ca v1 xl' bash benchmark/run_h200_vllm.sh")
+# Each deployment takes 1.5-2 minutes to launch; BUDGET_S keeps one call inside the
+# tool's 10 minutes.
 #
 # What it does: builds a random-weight Qwen2.5-0.5B-shaped model (24 layers, hidden
 # 896, 14 heads, 2 KV heads, head dim 64, BF16, the real MLP width) on the machine,
@@ -23,9 +28,12 @@
 #   v1     Xavier on vLLM's V1 model runner, per-layer caches: correctness, ttft
 #   xl     Xavier on the V1 runner with --xavier-cross-layer-blocks (one allocation;
 #          vLLM's V2 runner, the default for Qwen2, does not offer it): same phases
-# Logs and JSON go to $OUT; the last lines print the report's tables.
+# Logs and JSON go to $LOGS, packed at the end into $OUT/run-<time>.tgz (a call
+# brings back at most 8 files) beside report.md and summary.txt; the last lines
+# print the report's tables.
 set -uo pipefail
-OUT=${OUT:-/tmp/xavier-h200-vllm}
+DEST=${OUT:-/tmp}
+LOGS=${LOGS:-/tmp/xavier-h200-vllm}
 BUDGET_S=${BUDGET_S:-560}        # stop starting deployments past this
 DEPLOYS=${DEPLOYS:-on off}
 # The engine options every deployment gets, the model's shape, the TTFT lengths.
@@ -33,7 +41,7 @@ LAUNCH_ENGINE=${LAUNCH_ENGINE:---gpu-memory-utilization 0.3 --max-model-len 9216
 MODEL_SHAPE=${MODEL_SHAPE:-intermediate_size=4864, max_position_embeddings=16384}
 TTFT_LENGTHS=${TTFT_LENGTHS:-512 2048 8192}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-}   # e.g. "--warm 40 --groups 4" for a dry run on a CPU
-mkdir -p "$OUT"
+mkdir -p "$LOGS"
 if [[ -z ${SKIP_WHEELS:-} ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target .site .whl/*.whl || exit 1
@@ -47,8 +55,8 @@ MODEL=${MODEL:-/tmp/xavier-qwen25-05b-shaped}
   nvidia-smi -L
   python3 -c "import importlib.metadata as m, torch; print('torch', torch.__version__, \
 'vllm', m.version('vllm'), 'xoscar', m.version('xoscar'), 'nixl', m.version('nixl'))"
-} > "$OUT/env.txt" 2>&1
-python3 - "$MODEL" "$MODEL_SHAPE" >> "$OUT/env.txt" 2>&1 <<'PY' || { cat "$OUT/env.txt"; exit 1; }
+} > "$LOGS/env.txt" 2>&1
+python3 - "$MODEL" "$MODEL_SHAPE" >> "$LOGS/env.txt" 2>&1 <<'PY' || { cat "$LOGS/env.txt"; exit 1; }
 import sys, time
 from xinference.model.llm.tiny_model import qwen25_05b_shaped
 started = time.time()
@@ -61,14 +69,14 @@ SERVER_PID=
 start_server() {  # start_server PORT [VAR=value ...]: xinference-local, in the background
   local port=$1; shift
   env "$@" python3 -m xinference.deploy.cmdline local --port "$port" \
-    > "$OUT/local-$port.log" 2>&1 &
+    > "$LOGS/local-$port.log" 2>&1 &
   SERVER_PID=$!
   EP=http://127.0.0.1:$port
   for _ in $(seq 120); do
-    grep -q "Xinference serving at" "$OUT/local-$port.log" && return 0
+    grep -q "Xinference serving at" "$LOGS/local-$port.log" && return 0
     sleep 0.5
   done
-  echo "xinference-local did not start"; tail -20 "$OUT/local-$port.log"; return 1
+  echo "xinference-local did not start"; tail -20 "$LOGS/local-$port.log"; return 1
 }
 stop_server() {
   [[ -n $SERVER_PID ]] && kill -INT "$SERVER_PID" && wait "$SERVER_PID"
@@ -77,22 +85,23 @@ stop_server() {
 deploy() {  # deploy LABEL PHASES [launch options...]
   local label=$1 phases=$2; shift 2
   if (( SECONDS > BUDGET_S - 90 )); then
-    echo "skip $label: ${SECONDS}s of ${BUDGET_S}s used" | tee -a "$OUT/summary.txt"
+    echo "skip $label: ${SECONDS}s of ${BUDGET_S}s used" | tee -a "$LOGS/summary.txt"
     return
   fi
-  echo "== $label ($SECONDS s)" | tee -a "$OUT/summary.txt"
+  echo "== $label ($SECONDS s)" | tee -a "$LOGS/summary.txt"
   # shellcheck disable=SC2086  # LAUNCH_ENGINE is a list of options
   xi 300 launch --model-path "$MODEL" --model-uid "$label" --replica 2 \
     $LAUNCH_ENGINE "$@" \
-    >> "$OUT/launch-$label.log" 2>&1 || {
-      echo "launch $label failed"; tail -5 "$OUT/launch-$label.log"; return; }
-  tail -4 "$OUT/launch-$label.log" | tee -a "$OUT/summary.txt"
+    >> "$LOGS/launch-$label.log" 2>&1 || {
+      echo "launch $label failed"; tail -5 "$LOGS/launch-$label.log"; return; }
+  tail -4 "$LOGS/launch-$label.log" | tee -a "$LOGS/summary.txt"
   local left=$(( BUDGET_S - SECONDS - 20 ))
+  if (( left < 30 )); then echo "no time left for $label's phases"; return; fi
   timeout "$left" python3 benchmark/serving_benchmark.py run --endpoint "$EP" \
-    --model "$label" --label "$label" --phases "$phases" --json "$OUT/$label.json" \
-    --lengths $TTFT_LENGTHS $WORKLOAD_ARGS --terminate 2>&1 | tee -a "$OUT/summary.txt"
+    --model "$label" --label "$label" --phases "$phases" --json "$LOGS/$label.json" \
+    --lengths $TTFT_LENGTHS $WORKLOAD_ARGS --terminate 2>&1 | tee -a "$LOGS/summary.txt"
   # Terminated by the benchmark; if it failed first, terminate here (prints counters).
-  xi 60 terminate --model-uid "$label" >> "$OUT/summary.txt" 2>&1 || true
+  xi 60 terminate --model-uid "$label" >> "$LOGS/summary.txt" 2>&1 || true
 }
 
 XAVIER=(--enable-xavier --xavier-gpu-cache-bytes 256MiB)
@@ -116,7 +125,12 @@ for d in $DEPLOYS; do
   esac
 done
 stop_server
-grep -h -i "scatter path\|mapped .* KV cache layers\|cross layer\|Traceback\|Error" \
-  "$OUT"/local-*.log | sort | uniq -c | sort -rn | head -20 > "$OUT/highlights.txt"
-python3 benchmark/serving_benchmark.py report "$OUT"/*.json > "$OUT/report.md" 2>&1
-cat "$OUT/summary.txt" "$OUT/highlights.txt" "$OUT/report.md"
+# vLLM's optional NIXL expert-parallel import warns in every engine: not ours.
+grep -h -i "cross layer\|Traceback\|Error" "$LOGS"/local-*.log | grep -v import_utils \
+  | sed 's/^.*\] //' | sort | uniq -c | sort -rn | head -20 > "$LOGS/highlights.txt"
+python3 benchmark/serving_benchmark.py report "$LOGS"/*.json > "$LOGS/report.md" 2>&1
+if [[ $DEST != "$LOGS" ]]; then
+  tar czf "$DEST/run-$(date +%H%M%S).tgz" -C "$LOGS" .
+  cp "$LOGS/report.md" "$LOGS/summary.txt" "$DEST/"
+fi
+cat "$LOGS/summary.txt" "$LOGS/highlights.txt" "$LOGS/report.md"
