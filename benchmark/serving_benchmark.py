@@ -37,7 +37,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +223,9 @@ async def phase_workload(
     for prefix in prefixes:
         cold.append(await client.complete(prefix + tail(), shape.max_tokens))
     if shared:
-        prompts = [prefixes[rng.randrange(shape.groups)] + tail() for _ in range(shape.warm)]
+        prompts = [
+            prefixes[rng.randrange(shape.groups)] + tail() for _ in range(shape.warm)
+        ]
     else:
         prompts = [tokens(rng, shape.prefix_tokens) + tail() for _ in range(shape.warm)]
     gate = asyncio.Semaphore(shape.concurrency)
@@ -315,7 +317,9 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def report(paths: list[Path]) -> str:
-    runs = {json.loads(p.read_text())["label"]: json.loads(p.read_text()) for p in paths}
+    runs = {
+        json.loads(p.read_text())["label"]: json.loads(p.read_text()) for p in paths
+    }
     out: list[str] = []
     for label, data in runs.items():
         rows = data["phases"].get("ttft", {}).get("rows")
@@ -359,14 +363,17 @@ def report(paths: list[Path]) -> str:
                     f"of off, TTFT p50 x{w['warm_ttft_p50_ms'] / b['warm_ttft_p50_ms']:.3f}"
                 )
     out.append("\nCorrectness (greedy, 32 tokens)")
-    out.append("| deployment | pair | prompt | shared full-block tokens | B cached | "
-               "B == A (local hit) | B == off |")
+    out.append(
+        "| deployment | pair | prompt | shared full-block tokens | B cached | "
+        "B == A (local hit) | B == off |"
+    )
     out.append("| --- | ---: | ---: | ---: | ---: | --- | --- |")
     off_pairs = {
         p["pair"]: p
-        for p in runs.get("off", {}).get("phases", {}).get("correctness", {}).get(
-            "pairs", []
-        )
+        for p in runs.get("off", {})
+        .get("phases", {})
+        .get("correctness", {})
+        .get("pairs", [])
     }
     for label, data in runs.items():
         for p in data["phases"].get("correctness", {}).get("pairs", []):

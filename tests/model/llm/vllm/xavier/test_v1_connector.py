@@ -36,7 +36,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks  # noqa: E402
 
 from .instrumented_connector import CORRUPT_KEYS_FILE, FAULTS_FILE  # noqa: E402
-
 from .vllm_support import (  # noqa: E402
     BLOCK_SIZE,
     Completion,
@@ -136,7 +135,8 @@ class Deployment:
         self.engines: dict[int, EngineProcess] = {}
         # rank -> the directory of that replica's test controls
         self.test_dirs = {
-            rank: Path(tempfile.mkdtemp(prefix=f"xavier-test-{rank}-")) for rank in (0, 1)
+            rank: Path(tempfile.mkdtemp(prefix=f"xavier-test-{rank}-"))
+            for rank in (0, 1)
         }
         self.corrupt_file = self.test_dirs[0] / CORRUPT_KEYS_FILE
 

@@ -567,17 +567,18 @@ class _PieceSpan:
         # Layers interleaved block by block (vLLM's cross-layer allocation): every
         # row of block 0 distinct and inside one block stride, so block b's rows
         # are block 0's shifted by b strides and no row belongs to two pieces.
-        interleaved = len(set(first_rows)) == len(first_rows) and max(
-            first_rows
-        ) < pieces.block_stride // piece
+        interleaved = (
+            len(set(first_rows)) == len(first_rows)
+            and max(first_rows) < pieces.block_stride // piece
+        )
         if not (apart or interleaved):
             return None  # overlapping layers: a row could belong to two of them
         units = (ordered[-1] + pieces.layer_extent - low) // piece
         device = layers[0].device
         span = _raw_bytes(low, units * piece, device)
-        piece_rows = torch.tensor(
-            first_rows, dtype=torch.long, device=device
-        ).view(len(bases), len(pieces.segment_offsets))
+        piece_rows = torch.tensor(first_rows, dtype=torch.long, device=device).view(
+            len(bases), len(pieces.segment_offsets)
+        )
         return cls(
             span.view(element).view(units, piece // element.itemsize),
             piece_rows,

