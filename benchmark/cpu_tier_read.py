@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.layout import wide_view
+from xinference.model.llm.vllm.xavier.engine.layout import wide_view
 
 LAYERS, ROW, SLOTS = 24, 8192, 64
 BLOCK = LAYERS * ROW

@@ -49,8 +49,7 @@ fi
 xavier=tests/model/llm/vllm/xavier
 if [[ $phases == *tests* ]]; then
   UCX_PROTO_INFO=y timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m cuda -q -s -rA \
-    -p no:cacheprovider "$xavier" --ignore-glob="*v1_connector*" \
-    --ignore-glob="*worker_side*" --ignore-glob="*scheduler_side*" \
+    -p no:cacheprovider "$xavier" --ignore="$xavier/connector" \
     > "$OUT/cuda-tests.log" 2>&1
   echo "cuda tests rc=$?" >> "$OUT/env.txt"
   protocols "$OUT/cuda-tests.log" "$OUT/tests-protocols.txt"

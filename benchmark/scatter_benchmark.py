@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from xinference.model.llm.vllm.xavier.layout import (
+from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
+from xinference.model.llm.vllm.xavier.engine.layout import (
     KV_FIRST_LAYOUT,
-    BlockMajorCache,
     detect_layout,
 )
 

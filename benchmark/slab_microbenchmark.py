@@ -44,25 +44,23 @@ import xoscar as xo
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xinference.model.llm.vllm.xavier.gpu_transfer import (  # noqa: E402
-    GPUTransfer,
-    chunk_row_index,
-    full_slab_bytes,
-)
-from xinference.model.llm.vllm.xavier.messages import (  # noqa: E402
-    KVGeometry,
-    PushRequest,
-)
-from xinference.model.llm.vllm.xavier.nixl_registrations import (
+from tests.model.llm.vllm.xavier.transports.registrations import (
     install_registration_counter,
     registration_calls,
 )
-from xinference.model.llm.vllm.xavier.slab_selector import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.transports.xoscar.gpu_transfer import (  # noqa: E402
+    GPUTransfer,
+    PushRequest,
+    chunk_row_index,
+    full_slab_bytes,
+)
+from xinference.model.llm.vllm.xavier.transports.xoscar.slab_selector import (  # noqa: E402
     FullSlabSelector,
     SlabPolicy,
     SlabSelector,
     SmallestFitSelector,
 )
+from xinference.model.llm.vllm.xavier.wire import KVGeometry
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -55,32 +56,32 @@ import xoscar as xo
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xinference.model.llm.vllm.xavier import nixl_transport  # noqa: E402
-from xinference.model.llm.vllm.xavier.gpu_transfer import (  # noqa: E402
-    chunk_row_index,
-)
-from xinference.model.llm.vllm.xavier.layout import (  # noqa: E402
-    BlockMajorCache,
-    detect_layout,
-)
-from xinference.model.llm.vllm.xavier.messages import (  # noqa: E402
-    KVGeometry,
-    PushRequest,
-)
-from xinference.model.llm.vllm.xavier.nixl_registrations import (  # noqa: E402
+import xinference.model.llm.vllm.xavier.transports.nixl.transport as nixl_transport  # noqa: E402, E501
+from tests.model.llm.vllm.xavier.transports.registrations import (  # noqa: E402
     install_registration_counter,
     registration_calls,
 )
-from xinference.model.llm.vllm.xavier.nixl_transport import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.engine.blocks import (  # noqa: E402
+    BlockMajorCache,
+)
+from xinference.model.llm.vllm.xavier.engine.layout import detect_layout  # noqa: E402
+from xinference.model.llm.vllm.xavier.transports.base import (  # noqa: E402
+    TransportContext,
+)
+from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import (  # noqa: E402
+    NixlAgentEndpoint,
+)
+from xinference.model.llm.vllm.xavier.transports.nixl.transport import (  # noqa: E402
     PLACEMENT_ENGINE,
     PLACEMENT_SLAB,
-    NixlAgentEndpoint,
     NixlDirectTransport,
-    NixlEndpointInfo,
-    NixlSource,
 )
-from xinference.model.llm.vllm.xavier.transport import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.transports.xoscar.transport import (  # noqa: E402
     XoscarSlabTransport,
+)
+from xinference.model.llm.vllm.xavier.wire import (  # noqa: E402
+    KVGeometry,
+    TransportHint,
 )
 
 KiB = 1024
@@ -153,7 +154,15 @@ class BenchPeer(xo.StatelessActor):
 
     async def __post_create__(self) -> None:
         self.transports["xoscar"] = XoscarSlabTransport(
-            self.address, self._device, GEOMETRY, RPC_TIMEOUT_S
+            TransportContext(
+                address=self.address,
+                device=self._device,
+                geometry=GEOMETRY,
+                rpc_timeout_s=RPC_TIMEOUT_S,
+                agent_name=f"bench-{os.getpid()}",
+                store_rows=self.rows,
+                locate_rows=_locate,
+            )
         )
         # One endpoint (one agent, one registration of each region) serves both
         # placements, as it would in one transfer actor.
@@ -170,7 +179,11 @@ class BenchPeer(xo.StatelessActor):
             ("nixl-engine", PLACEMENT_ENGINE),
         ):
             self.transports[name] = NixlDirectTransport(
-                endpoint, GEOMETRY, rpc_timeout_s=RPC_TIMEOUT_S, placement=placement
+                endpoint,
+                GEOMETRY,
+                rpc_timeout_s=RPC_TIMEOUT_S,
+                placement=placement,
+                locate_rows=_locate,
             )
         self.transports["nixl-slab-rpc"] = self.transports["nixl-slab"]
         self.transports["nixl-read"] = self.transports["nixl-slab"]
@@ -228,7 +241,7 @@ class BenchPeer(xo.StatelessActor):
     def snapshot(self, case: str) -> dict[str, int]:
         return {
             "registration_calls": registration_calls(),
-            **self.transports[case].counters(),
+            **dataclasses.asdict(self.transports[case].stats()),
         }
 
     def ucx_report(self) -> str:
@@ -240,21 +253,11 @@ class BenchPeer(xo.StatelessActor):
 
     # ---- holder ---------------------------------------------------------------------
 
-    async def push_rows(self, req: PushRequest) -> None:
-        index = chunk_row_index(
-            [int.from_bytes(k, "big") * LAYERS for k in req.keys],
-            LAYERS,
-            req.first_row,
-            req.num_rows,
-        )
-        await self.transports["xoscar"].serve(req, self.rows, index)
-
-    async def nixl_endpoint_info(self) -> NixlEndpointInfo:
-        return self.transports["nixl-slab"].endpoint.info
-
-    async def nixl_source(self, lease_id: str, keys: list[bytes]) -> NixlSource:
-        endpoint = self.transports["nixl-slab"].endpoint
-        return endpoint.source([int.from_bytes(k, "big") * LAYERS for k in keys])
+    async def transport_call(self, op: str, *args: Any) -> Any:
+        """As the transfer actor: one of a transport's holder ops (``push_rows``
+        belongs to xoscar, ``endpoint_info`` and ``source`` to the NIXL ones)."""
+        name = "xoscar" if op == "push_rows" else "nixl-slab"
+        return await self.transports[name].holder_ops()[op](*args)
 
     # ---- loader ---------------------------------------------------------------------
 
@@ -277,15 +280,21 @@ class BenchPeer(xo.StatelessActor):
         transport = self.transports[case]
         keys = [s.to_bytes(16, "big") for s in slots]
         scatter = self._scatter(blocks) if case != "nixl-read" else _no_scatter
+        holder = self._holder
+
+        async def holder_call(op: str, *args: Any) -> Any:
+            return await holder.transport_call(op, *args)
+
         extra: dict[str, Any] = {}
         if case in ("nixl-slab", "nixl-engine", "nixl-read"):
-            # What the lease grant would carry (see the integration notes): no RPC.
-            source = await self._holder.nixl_source("bench", keys)
-            extra = {"source": source, "dst_block_ids": blocks}
+            # What the lease grant carries: no RPC to locate the rows.
+            source = await holder.transport_call("source", "bench", keys)
+            hint = TransportHint(source.epoch, tuple(source.first_rows))
+            extra = {"hint": hint, "dst_block_ids": blocks}
         times = []
         for _ in range(n):
             start = time.perf_counter()
-            await transport.load(self._holder, 0, "bench", keys, scatter, **extra)
+            await transport.load(holder_call, 0, "bench", keys, scatter, **extra)
             # the engine may read the blocks only once every write has completed
             _fence(self._device)
             times.append(time.perf_counter() - start)
@@ -330,6 +339,11 @@ class BenchPeer(xo.StatelessActor):
 
     def scatter_path(self) -> str:
         return self.cache.scatter_path
+
+
+def _locate(lease_id: str, keys: Any) -> list[int]:
+    """The bench holder's rows: key ``s`` is slot ``s``."""
+    return [int.from_bytes(k, "big") * LAYERS for k in keys]
 
 
 def _no_scatter(first_row: int, rows: torch.Tensor) -> None:

@@ -120,7 +120,7 @@ def main() -> None:
                 f"{row['hit_ms']:8.1f} ms, x{row['speedup']:.2f}",
                 flush=True,
             )
-        stats = {rank: cluster.stats(rank) for rank in (0, 1)}
+        stats = {rank: cluster.stats(rank).as_dict() for rank in (0, 1)}
     finally:
         for engine in engines.values():
             engine.stop()

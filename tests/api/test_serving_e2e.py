@@ -242,6 +242,7 @@ def test_options_arrive_in_each_replica_process(
             "enabled": True,
             "gpu_cache_bytes": 64 * 1024 * 1024,
             "transport": "nixl",  # the default
+            "cross_layer_blocks": False,
             "model_uid": MODEL_NAME,
             "rank": rank,
             "tracker_address": report["xavier"]["tracker_address"],
@@ -254,7 +255,7 @@ def test_options_arrive_in_each_replica_process(
         assert report["kv_connector"] == "XavierConnector"
         assert (
             report["kv_connector_module_path"]
-            == "xinference.model.llm.vllm.xavier.v1_connector"
+            == "xinference.model.llm.vllm.xavier.connector.vllm_facade"
         )
         assert report["disable_hybrid_kv_cache_manager"] is True
         assert report["env"]["UCX_MEMTYPE_CACHE"] == "n"

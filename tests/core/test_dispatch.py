@@ -19,8 +19,8 @@ from xinference.core.messages import (
 from xinference.core.options import RouterSettings
 from xinference.core.prompting import PromptRenderer
 from xinference.core.router import CacheAwareRouter, RoundRobinRouter
-from xinference.model.llm.vllm.xavier.block_tracker import BlockTrackerActor
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
+from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
 
 NAMESPACE = "m|bfloat16|4"
 BLOCK = 4

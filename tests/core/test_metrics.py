@@ -1,40 +1,50 @@
 """Prometheus rendering from literal counters."""
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from xinference.core.dispatch import RouteCounters
 from xinference.core.messages import ReplicaStats, format_counters
-from xinference.core.metrics import ReplicaSample, lookup, render
+from xinference.core.metrics import XAVIER_METRICS, ReplicaSample, lookup, render
+from xinference.model.llm.vllm.xavier.stats import (
+    ActorCounters,
+    LatencySummary,
+    StoreStats,
+    TransportStats,
+    XavierStats,
+)
 
-XAVIER_STATS = {
-    "store": {
-        "device_hits": 3,
-        "cpu_hits": 1,
-        "demotions": 2,
-        "skips": 1,
-        "drops": 0,
-        "published": 9,
-        "device_snapshots": 4,
-        "cpu_snapshots": 5,
-        "device_bytes": 4096,
-        "cpu_bytes": 5120,
-    },
-    "transport": {
-        "wire_bytes": 1000,
-        "useful_bytes": 600,
-        "received_wire_bytes": 10,
-        "received_useful_bytes": 6,
-        "registration_changes": 2,
-    },
-    "actor": {
-        "device_tier_blocks_loaded": 7,
-        "cpu_tier_blocks_loaded": 2,
-        "loads_ok": 3,
-        "loads_failed": 1,
-    },
-    "in_flight_loads": 0,
-    "closed": False,
-}
+XAVIER_STATS = XavierStats(
+    store=StoreStats(
+        device_hits=3,
+        cpu_hits=1,
+        demotions=2,
+        skips=1,
+        drops=0,
+        published=9,
+        device_snapshots=4,
+        cpu_snapshots=5,
+        device_bytes=4096,
+        cpu_bytes=5120,
+    ),
+    transport=TransportStats(
+        sent_wire_bytes=1000,
+        sent_useful_bytes=600,
+        received_wire_bytes=10,
+        received_useful_bytes=6,
+        registration_changes=2,
+    ),
+    actor=ActorCounters(
+        device_tier_blocks_loaded=7,
+        cpu_tier_blocks_loaded=2,
+        loads_ok=3,
+        loads_failed=1,
+        connector_faults=4,
+    ),
+    load_latency=LatencySummary(
+        count=3, sum_s=0.006, buckets=((0.001, 1), (0.0025, 3))
+    ),
+)
 
 
 def stats(rank, xavier=None):
@@ -82,6 +92,10 @@ def test_per_replica_xavier_series():
     assert get("xavier_demotions_total") == 2
     assert get("xavier_skips_total") == 1
     assert get("xavier_load_errors_total") == 1
+    assert get("xavier_connector_faults_total") == 4
+    assert get("xavier_load_seconds_bucket", ("le", "0.001")) == 1
+    assert get("xavier_load_seconds_bucket", ("le", "+Inf")) == 3
+    assert get("xavier_load_seconds_count") == 3
     assert get("xavier_snapshots", ("tier", "cpu")) == 5
     assert get("xinference_requests_total") == 5
     assert get("xinference_routed_requests_total") == 4
@@ -99,7 +113,14 @@ def test_no_replicas_renders_only_metadata():
 
 
 def test_lookup_and_format_counters():
-    assert lookup(XAVIER_STATS, "transport.wire_bytes") == 1000
-    assert lookup(XAVIER_STATS, "transport.missing") is None
-    assert lookup(XAVIER_STATS, "closed") is None  # booleans are not numbers
+    assert lookup(XAVIER_STATS, "transport.sent_wire_bytes") == 1000
+    assert lookup(XavierStats(), "transport.sent_wire_bytes") is None  # not mapped
     assert format_counters({"a": {"b": 1}, "c": 2}) == "a.b=1, c=2"
+
+
+def test_every_metric_names_a_field_of_the_stats():
+    """A metric whose path names no field would vanish silently: it raises."""
+    for metric in XAVIER_METRICS:
+        assert lookup(XAVIER_STATS, metric.stat) is not None, metric.stat
+    with pytest.raises(AttributeError):
+        lookup(XAVIER_STATS, "transport.missing")

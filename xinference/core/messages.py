@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
+from ..model.llm.vllm.xavier.stats import XavierStats
 from .options import EngineOptions, RouterSettings
 
 
@@ -143,9 +144,8 @@ class ReplicaStats:
     prompt_tokens_total: int
     cached_prompt_tokens_total: int
     generated_tokens_total: int
-    # The transfer actor's ``stats()`` (nested: section -> name -> count), None
-    # with Xavier off.
-    xavier: dict[str, Any] | None = field(default=None)
+    # The transfer actor's ``stats()``; None with Xavier off.
+    xavier: XavierStats | None = field(default=None)
 
 
 def format_counters(stats: dict[str, Any], prefix: str = "") -> str:

@@ -19,6 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..model.llm.vllm.xavier.stats import XavierStats
 from .dispatch import RouteCounters
 from .messages import ReplicaStats
 
@@ -30,9 +31,11 @@ _LABELS = ("model_uid", "rank")
 class XavierMetric:
     """One exported Xavier series.
 
-    ``stat`` is a dotted path into the transfer actor's ``stats()`` (for example
-    ``"transport.wire_bytes"``); ``tier`` adds a tier label when the stat is per
-    tier; ``per_block_tokens`` multiplies a block count by the block size.
+    ``stat`` is a dotted attribute path into the transfer actor's ``XavierStats``
+    (for example ``"transport.sent_wire_bytes"``); ``tier`` adds a tier label when
+    the stat is per tier; ``per_block_tokens`` multiplies a block count by the block
+    size. Every transport fills every ``TransportStats`` field, so a series is never
+    missing under one transport.
     """
 
     stat: str
@@ -73,12 +76,12 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
     ),
     XavierMetric("store.cpu_hits", "xavier_served_snapshots", _SERVED, tier="cpu"),
     XavierMetric(
-        "transport.wire_bytes",
+        "transport.sent_wire_bytes",
         "xavier_wire_bytes",
         "Bytes this replica copied to peers over the device-tier transport",
     ),
     XavierMetric(
-        "transport.useful_bytes",
+        "transport.sent_useful_bytes",
         "xavier_useful_bytes",
         "KV payload bytes this replica copied to peers over the device-tier transport",
     ),
@@ -142,16 +145,16 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
 )
 
 
-def lookup(stats: dict[str, Any], path: str) -> float | None:
-    """The number at dotted ``path`` in nested ``stats``; None when absent."""
+def lookup(stats: XavierStats, path: str) -> float | None:
+    """The number at dotted attribute ``path`` of ``stats``; None while its section
+    is absent (the engine's caches are not mapped yet). A path that names no field
+    raises: the metric table and the stats types must agree."""
     value: Any = stats
     for part in path.split("."):
-        if not isinstance(value, dict) or part not in value:
+        if value is None:
             return None
-        value = value[part]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
+        value = getattr(value, part)
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,19 +261,17 @@ def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
 
 def _load_latency_histogram(samples: Sequence[ReplicaSample]) -> Metric:
     """``xavier_load_seconds`` from each replica's ``load_latency`` summary
-    (cumulative ``[upper bound, count]`` buckets, their sum and count)."""
+    (cumulative ``(upper bound, count)`` buckets, their sum and count)."""
     family = HistogramMetricFamily(
         "xavier_load_seconds",
         "Time from the start of a load from a peer to its result (successful loads)",
         labels=_LABELS,
     )
     for sample in samples:
-        summary = (sample.stats.xavier or {}).get("load_latency")
-        if not isinstance(summary, dict) or "buckets" not in summary:
+        if sample.stats.xavier is None:
             continue
-        buckets = [(repr(float(bound)), count) for bound, count in summary["buckets"]]
-        buckets.append(("+Inf", summary["count"]))
-        family.add_metric(
-            _labels(sample.stats), buckets, sum_value=float(summary["sum_s"])
-        )
+        summary = sample.stats.xavier.load_latency
+        buckets = [(repr(float(bound)), count) for bound, count in summary.buckets]
+        buckets.append(("+Inf", summary.count))
+        family.add_metric(_labels(sample.stats), buckets, sum_value=summary.sum_s)
     return family

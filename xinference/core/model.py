@@ -23,6 +23,7 @@ from typing import Any
 import xoscar as xo
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
+from ..model.llm.vllm.xavier.stats import XavierStats
 from .messages import (
     GenerationChunk,
     GenerationRequest,
@@ -45,11 +46,6 @@ _REPORTED_ENV = ("UCX_TLS", "UCX_MEMTYPE_CACHE", "CUDA_VISIBLE_DEVICES")
 
 def model_actor_uid(model_uid: str, rank: int) -> str:
     return f"model-{model_uid}-{rank}"
-
-
-def _is_mapped(transfer_stats: dict[str, Any]) -> bool:
-    # The transfer actor builds its snapshot store when the caches are mapped.
-    return bool(transfer_stats.get("store"))
 
 
 class _End:
@@ -124,7 +120,7 @@ class ReplicaModelActor(xo.StatelessActor):
         self._require_engine()
         # Imported here, in the replica process: it pulls in torch and NIXL, which
         # the supervisor and front-end processes never need.
-        from ..model.llm.vllm.xavier.transfer_actor import (
+        from ..model.llm.vllm.xavier.actor.transfer_actor import (
             TransferActorConfig,
             XavierTransferActor,
         )
@@ -162,7 +158,7 @@ class ReplicaModelActor(xo.StatelessActor):
         if self._transfer is None:
             raise RuntimeError(f"replica {self._spec.rank} has no transfer actor")
         deadline = time.monotonic() + timeout_s
-        while not _is_mapped(await self._transfer.stats()):
+        while not (await self._transfer.stats()).mapped:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"replica {self._spec.rank}: the Xavier connector did not map "
@@ -181,16 +177,17 @@ class ReplicaModelActor(xo.StatelessActor):
             await asyncio.to_thread(engine.shutdown)
 
     async def close_transfer_actor(self) -> dict[str, Any] | None:
-        """Drain and close the transfer actor; its final counters (None: no actor)."""
+        """Drain and close the transfer actor; its final counters as plain data
+        (``XavierStats.as_dict()``; None: no actor)."""
         transfer, self._transfer = self._transfer, None
         if transfer is None:
             return None
         try:
-            final = await transfer.stats()
+            final: XavierStats = await transfer.stats()
             await transfer.close()
         finally:
             await xo.destroy_actor(transfer)
-        return dict(final)
+        return final.as_dict()
 
     # ---- introspection ------------------------------------------------------------
 
@@ -216,7 +213,7 @@ class ReplicaModelActor(xo.StatelessActor):
     async def stats(self) -> ReplicaStats:
         xavier = None
         if self._transfer is not None:
-            xavier = dict(await self._transfer.stats())
+            xavier = await self._transfer.stats()
         return ReplicaStats(
             model_uid=self._spec.model_uid,
             rank=self._spec.rank,

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import xoscar as xo
 
-from ..model.llm.vllm.xavier.block_tracker import BlockTrackerActor, tracker_uid
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
+from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
 from .messages import (
     DeploymentInfo,
     LaunchProgress,

@@ -19,7 +19,7 @@ from .messages import GenerationChunk, GenerationRequest, ReplicaSpec
 logger = logging.getLogger(__name__)
 
 XAVIER_CONNECTOR = "XavierConnector"
-XAVIER_CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.v1_connector"
+XAVIER_CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.connector.vllm_facade"
 XAVIER_EXTRA_KEY = (
     "xavier"  # kv_connector_extra_config[XAVIER_EXTRA_KEY] = settings dict
 )

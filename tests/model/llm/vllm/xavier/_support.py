@@ -27,33 +27,33 @@ import pytest
 import torch
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.block_tracker import (
-    BlockTrackerActor,
-    tracker_uid,
+from xinference.model.llm.vllm.xavier.actor.transfer_actor import (
+    TransferActorConfig,
+    XavierTransferActor,
+    transfer_actor_uid,
 )
 from xinference.model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
-from xinference.model.llm.vllm.xavier.device import (
+from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
+from xinference.model.llm.vllm.xavier.engine.device import (
     SharedTensorHandles,
     export_tensors,
     import_tensors,
 )
-from xinference.model.llm.vllm.xavier.layout import (
+from xinference.model.llm.vllm.xavier.engine.layout import (
     BLOCK_FIRST_LAYOUT,
-    CPU_LAYOUT,
     KV_FIRST_LAYOUT,
-    BlockMajorCache,
+    PACKED_KV_LAYOUT,
     detect_layout,
 )
-from xinference.model.llm.vllm.xavier.messages import (
+from xinference.model.llm.vllm.xavier.tracker import (
+    BlockTrackerActor,
+    tracker_uid,
+)
+from xinference.model.llm.vllm.xavier.wire import (
     LeaseGrant,
     LoadRequest,
     LoadResult,
     ReplicaIdentity,
-)
-from xinference.model.llm.vllm.xavier.transfer_actor import (
-    TransferActorConfig,
-    XavierTransferActor,
-    transfer_actor_uid,
 )
 
 MODEL = "xavier-test-model"
@@ -101,7 +101,7 @@ class SyntheticEngine:
             self._flat[i * per_layer : (i + 1) * per_layer]
             for i in range(spec.num_layers)
         ]
-        if spec.layout == CPU_LAYOUT:
+        if spec.layout == PACKED_KV_LAYOUT:
             self.tensors = [t.view(nb, h, bs, 2 * d) for t in layers]
         elif spec.layout == BLOCK_FIRST_LAYOUT:
             self.tensors = [t.view(nb, 2, bs, h, d) for t in layers]

@@ -28,7 +28,7 @@ from typing import Any
 import xoscar as xo
 
 REPO_ROOT = Path(__file__).resolve().parents[5]
-INSTRUMENTED_MODULE = "tests.model.llm.vllm.xavier.instrumented_connector"
+INSTRUMENTED_MODULE = "tests.model.llm.vllm.xavier.connector.instrumented_connector"
 BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
 ENGINE_START_TIMEOUT_S = 240.0
 
@@ -94,9 +94,12 @@ def engine_kwargs(
     )
     if xavier is not None:
         extra: dict[str, Any] = {"xavier": xavier}
-        connector = ("XavierConnector", "xinference.model.llm.vllm.xavier.v1_connector")
+        connector = (
+            "XavierConnector",
+            "xinference.model.llm.vllm.xavier.connector.vllm_facade",
+        )
         if test_dir is not None:
-            from .instrumented_connector import TEST_DIR_KEY
+            from .connector.instrumented_connector import TEST_DIR_KEY
 
             extra[TEST_DIR_KEY] = str(test_dir)
             connector = ("InstrumentedXavierConnector", INSTRUMENTED_MODULE)
@@ -316,7 +319,7 @@ class XavierCluster:
     ) -> None:
         ensure_importable()
         from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
-        from xinference.model.llm.vllm.xavier.block_tracker import (
+        from xinference.model.llm.vllm.xavier.tracker import (
             BlockTrackerActor,
             tracker_uid,
         )
@@ -377,11 +380,11 @@ class XavierCluster:
         see ``XavierConfig`` (not None selects GPU-first, i.e. asynchronous loads)."""
         if sub_pool is None:
             sub_pool = rank % self.num_replicas + 1
-        from xinference.model.llm.vllm.xavier.config import transfer_actor_uid
-        from xinference.model.llm.vllm.xavier.transfer_actor import (
+        from xinference.model.llm.vllm.xavier.actor.transfer_actor import (
             TransferActorConfig,
             XavierTransferActor,
         )
+        from xinference.model.llm.vllm.xavier.config import transfer_actor_uid
 
         config = TransferActorConfig(
             model_uid=self.model_uid,
@@ -461,7 +464,7 @@ class RefusingHolder(xo.StatelessActor):
     """A holder that answers every reservation with an empty grant (a refusal)."""
 
     def reserve(self, keys: list[bytes], lease_id: str, requester: Any) -> Any:
-        from xinference.model.llm.vllm.xavier.messages import LeaseGrant
+        from xinference.model.llm.vllm.xavier.wire import LeaseGrant
 
         self.refused = getattr(self, "refused", 0) + 1
         return LeaseGrant(lease_id, -1, (), (), ())

@@ -1,5 +1,6 @@
 """Small asyncio idioms shared by Xavier's modules: deadlines on peer calls, work
-that must not be abandoned, and a loop thread for synchronous vLLM code."""
+that must not be abandoned, a loop thread for synchronous vLLM code, and actor refs
+made once."""
 
 from __future__ import annotations
 
@@ -105,3 +106,18 @@ async def with_deadline(awaitable: Awaitable[T], timeout: float) -> T:
     # an actor call cannot reach a peer that stopped answering.
     result: T = await xo.wait_for(awaitable, timeout)
     return result
+
+
+class ActorRefs:
+    """xoscar actor refs by (address, uid), made once and reused: making one costs
+    a round trip to the actor's pool. Use it from one event loop."""
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple[str, str], Any] = {}
+
+    async def get(self, address: str, uid: str) -> Any:
+        ref = self._refs.get((address, uid))
+        if ref is None:
+            ref = await xo.actor_ref(address, uid)
+            self._refs[(address, uid)] = ref
+        return ref

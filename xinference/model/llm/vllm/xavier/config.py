@@ -25,8 +25,8 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 
 TRANSPORTS = ("xoscar", "nixl")
-# The direct NIXL transport: 5 to 16 times faster per load than xoscar's copy_to
-# on the H200 (benchmark/results/h200.md), and wire bytes equal useful bytes.
+# The direct NIXL transport: a load READs exactly its payload, with no control round
+# trip per copy (benchmark/results/h200.md measures both transports side by side).
 DEFAULT_TRANSPORT = "nixl"
 
 

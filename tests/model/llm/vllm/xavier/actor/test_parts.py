@@ -1,0 +1,281 @@
+"""The transfer actor's parts without xoscar: the lease book, the load runner and
+staging, in one process with a real store and a synthetic engine cache.
+
+The holder is an in-process object with the calls a loader makes on a holder's
+actor (``transport_call``, ``read_cpu_rows``, ``release``); the device-tier
+transport is a small fake that reads rows out of the holder's store and hands them
+to the runner's scatter in chunks, the way the real ones do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.actor.leases import LeaseBook
+from xinference.model.llm.vllm.xavier.actor.loads import LoadRunner
+from xinference.model.llm.vllm.xavier.actor.staging import stage_snapshots
+from xinference.model.llm.vllm.xavier.engine.layout import PACKED_KV_LAYOUT
+from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
+from xinference.model.llm.vllm.xavier.stats import (
+    ActorCounters,
+    LatencyRecorder,
+    TransportStats,
+)
+from xinference.model.llm.vllm.xavier.store.tiered import TieredKVSnapshotStore
+from xinference.model.llm.vllm.xavier.transports.cpu_tier import gather_cpu_rows
+from xinference.model.llm.vllm.xavier.wire import (
+    CPU_TIER,
+    DEVICE_TIER,
+    LeaseGrant,
+    LoadRequest,
+    StageItem,
+    TransportHint,
+)
+
+from .._support import EngineSpec, SyntheticEngine
+
+SPEC = EngineSpec(PACKED_KV_LAYOUT, num_layers=3, num_blocks=32)
+
+
+def keys(n: int, salt: int) -> list[bytes]:
+    return hash_full_blocks(list(range(salt, salt + n * 16)), 16, f"parts-{salt}")
+
+
+class FakeTransport:
+    """Reads leased device-tier rows from the holder's store, ``chunk_rows`` at a
+    time, and records the hints it was given."""
+
+    def __init__(self, chunk_rows: int = 2) -> None:
+        self.chunk_rows = chunk_rows
+        self.hints: list[TransportHint | None] = []
+        self.before_chunk: Any = None  # awaited before each chunk, if set
+
+    async def load(
+        self,
+        holder: Any,
+        holder_rank: int,
+        lease_id: str,
+        keys: Sequence[bytes],
+        scatter: Any,
+        *,
+        hint: TransportHint | None = None,
+        dst_block_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.hints.append(hint)
+        rows = await holder("rows", lease_id, list(keys))
+        for first in range(0, rows.shape[0], self.chunk_rows):
+            if self.before_chunk is not None:
+                await self.before_chunk()
+            scatter(first, rows[first : first + self.chunk_rows])
+
+    def hint(self, first_rows: Sequence[int | None]) -> TransportHint:
+        return TransportHint("epoch-1", tuple(first_rows))
+
+    def holder_ops(self) -> dict[str, Any]:
+        return {}
+
+    def stats(self) -> TransportStats:
+        return TransportStats()
+
+    async def close(self) -> None:
+        return None
+
+
+class Holder:
+    """A holder's actor, in process: its store, a lease book, the holder calls."""
+
+    def __init__(self, engine: SyntheticEngine, device_slots: int) -> None:
+        geometry = engine.geometry
+        self.engine = engine
+        self.store = TieredKVSnapshotStore(
+            geometry,
+            "cpu",
+            device_budget_bytes=device_slots * geometry.block_nbytes,
+            cpu_capacity_blocks=16,
+        )
+        self.clock = [0.0]
+        self.counters = ActorCounters()
+        self.leases = LeaseBook(
+            0,
+            engine.identity(),
+            self.store,
+            FakeTransport(),  # type: ignore[arg-type]
+            lease_ttl_s=60.0,
+            counters=self.counters,
+            clock=lambda: self.clock[0],
+        )
+        self.released: list[str] = []
+
+    async def transport_call(self, op: str, lease_id: str, keys: list[bytes]) -> Any:
+        assert op == "rows"
+        rows = self.store.locate_device_rows(lease_id, keys)
+        layers = self.engine.spec.num_layers
+        index = torch.tensor(
+            [r + layer for r in rows for layer in range(layers)], dtype=torch.long
+        )
+        return self.store.device_rows.index_select(0, index)
+
+    async def read_cpu_rows(self, lease_id: str, keys: list[bytes]) -> Any:
+        return gather_cpu_rows(self.store, lease_id, keys)
+
+    async def release(self, lease_id: str) -> None:
+        self.released.append(lease_id)
+        self.leases.release(lease_id)
+
+
+async def staged_holder(
+    n: int, device_slots: int, salt: int = 1
+) -> tuple[Holder, list]:
+    engine = SyntheticEngine(SPEC, share=False)
+    engine.fill_random(range(n), seed=salt)
+    holder = Holder(engine, device_slots)
+    published = await stage_snapshots(
+        engine.cache,
+        holder.store,
+        [StageItem(k, b) for b, k in enumerate(keys(n, salt))],
+        holder.counters,
+    )
+    assert published == keys(n, salt)
+    return holder, published
+
+
+def runner_for(
+    holder: Holder, transport: FakeTransport
+) -> tuple[LoadRunner, SyntheticEngine, ActorCounters]:
+    target = SyntheticEngine(SPEC, share=False)
+
+    async def holders(address: str, rank: int) -> Holder:
+        return holder
+
+    counters = ActorCounters()
+    runner = LoadRunner(
+        1,
+        target.cache,
+        transport,  # type: ignore[arg-type]
+        holders,  # type: ignore[arg-type]
+        rpc_timeout_s=5.0,
+        counters=counters,
+        latency=LatencyRecorder(),
+    )
+    return runner, target, counters
+
+
+def request(grant: LeaseGrant, blocks: list[int], load_id: str = "load-1") -> Any:
+    return LoadRequest(load_id, grant, "holder", tuple(blocks))
+
+
+# ---- the lease book ----------------------------------------------------------------
+
+
+async def test_a_grant_names_tiers_and_carries_the_transports_hint_per_key():
+    """Two snapshots fit the device tier, the third was demoted: the hint gives the
+    device rows of the first two and nothing for the CPU-tier one."""
+    holder, published = await staged_holder(3, device_slots=2)
+    grant = holder.leases.grant(published, "lease-a", holder.engine.identity())
+    assert grant.keys == tuple(published)
+    assert sorted(grant.tiers) == [CPU_TIER, DEVICE_TIER, DEVICE_TIER]
+    hint = grant.transport_hint
+    assert hint is not None and hint.shared == "epoch-1"
+    for tier, row in zip(grant.tiers, hint.per_key, strict=True):
+        assert (row is None) == (tier == CPU_TIER)
+    truncated = grant.truncated(1)
+    assert truncated.transport_hint is not None
+    assert truncated.transport_hint.per_key == hint.per_key[:1]
+
+
+async def test_an_incompatible_requester_is_refused_and_a_miss_grants_nothing():
+    holder, published = await staged_holder(2, device_slots=2)
+    other = SyntheticEngine(EngineSpec(PACKED_KV_LAYOUT, num_layers=2), share=False)
+    with pytest.raises(ValueError, match="cannot share KV"):
+        holder.leases.grant(published, "lease-b", other.identity())
+    miss = holder.leases.grant(keys(2, salt=9), "lease-c", holder.engine.identity())
+    assert miss.keys == () and miss.transport_hint is None
+    assert holder.store.stats().active_leases == 0
+
+
+async def test_a_forgotten_lease_expires_and_unpins_its_snapshots():
+    holder, published = await staged_holder(2, device_slots=2)
+    holder.leases.grant(published, "lease-d", holder.engine.identity())
+    assert holder.store.stats().active_leases == 1
+    holder.clock[0] = 30.0
+    holder.leases.expire()
+    assert holder.store.stats().active_leases == 1
+    holder.clock[0] = 61.0
+    holder.leases.expire()
+    assert holder.store.stats().active_leases == 0
+    assert holder.counters.leases_expired == 1
+
+
+# ---- the load runner -----------------------------------------------------------------
+
+
+async def test_a_load_brings_both_tiers_into_engine_blocks_and_releases_the_lease():
+    holder, published = await staged_holder(4, device_slots=2)
+    grant = holder.leases.grant(published, "lease-e", holder.engine.identity())
+    transport = FakeTransport()
+    runner, target, counters = runner_for(holder, transport)
+    dst = [31, 7, 12, 3]
+    await runner.start(request(grant, dst))
+    result = await runner.wait("load-1", 10)
+    assert result.ok, result.error
+    for src_block, dst_block in enumerate(dst):
+        assert torch.equal(
+            target.read_block(dst_block), holder.engine.read_block(src_block)
+        )
+    assert holder.released == ["lease-e"]
+    assert counters.device_tier_blocks_loaded == 2
+    assert counters.cpu_tier_blocks_loaded == 2
+    (hint,) = transport.hints
+    device_positions = [i for i, t in enumerate(grant.tiers) if t == DEVICE_TIER]
+    assert grant.transport_hint is not None and hint is not None
+    assert hint.per_key == tuple(
+        grant.transport_hint.per_key[i] for i in device_positions
+    )
+
+
+async def test_conflicting_destinations_are_refused_and_the_lease_goes_back():
+    holder, published = await staged_holder(2, device_slots=2)
+    grant = holder.leases.grant(published, "lease-f", holder.engine.identity())
+    runner, _, _ = runner_for(holder, FakeTransport())
+    with pytest.raises(ValueError, match="conflicting destinations"):
+        await runner.start(request(grant, [5, 5]))
+    assert holder.released == ["lease-f"]
+    assert runner.in_flight == 0
+
+
+async def test_a_cancelled_load_stops_between_chunks_and_frees_its_blocks():
+    """Cancel arrives while the transport waits for its first chunk: the scatter
+    refuses every chunk from then on, and the blocks and the lease are free when
+    cancel returns."""
+    holder, published = await staged_holder(2, device_slots=2)
+    grant = holder.leases.grant(published, "lease-g", holder.engine.identity())
+    transport = FakeTransport(chunk_rows=1)
+    in_chunk, go_on = asyncio.Event(), asyncio.Event()
+
+    async def pause() -> None:
+        if not in_chunk.is_set():
+            in_chunk.set()
+            await go_on.wait()
+
+    transport.before_chunk = pause
+    runner, _, counters = runner_for(holder, transport)
+    await runner.start(request(grant, [1, 2]))
+    await in_chunk.wait()
+    cancelling = asyncio.ensure_future(runner.cancel("load-1"))
+    await asyncio.sleep(0)
+    go_on.set()
+    await cancelling
+    result = await runner.wait("load-1", 1)
+    assert not result.ok and "cancelled" in result.error
+    assert counters.loads_cancelled == 1
+    assert holder.released == ["lease-g"]
+    # the blocks are free again: the same destinations load fine
+    grant2 = holder.leases.grant(published, "lease-h", holder.engine.identity())
+    transport.before_chunk = None
+    await runner.start(request(grant2, [1, 2], "load-2"))
+    assert (await runner.wait("load-2", 10)).ok

@@ -1,0 +1,454 @@
+"""The scheduler half of the connector, without vLLM.
+
+The tracker is the real ``BlockTrackerActor`` logic called in process; holders are
+small scripted coroutines (grant, refuse, fail, hang), because what is under test
+here is the scheduler's decisions, not the transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
+from xinference.model.llm.vllm.xavier.connector.scheduler import (
+    ScheduledRequest,
+    SchedulerSettings,
+    SchedulerSide,
+)
+from xinference.model.llm.vllm.xavier.hashing import BlockHash, hash_full_blocks
+from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
+from xinference.model.llm.vllm.xavier.wire import (
+    CPU_TIER,
+    KVGeometry,
+    LeaseGrant,
+    PrefixHit,
+    ReplicaIdentity,
+)
+
+BS = 4
+NS = "test-model|bfloat16|4"
+IDENTITY = ReplicaIdentity(
+    model="test-model",
+    geometry=KVGeometry(num_layers=2, layer_block_nbytes=64, logical_dtype="bfloat16"),
+    layout="packed_kv",
+)
+HOLDER, LOADER = 0, 1
+
+
+class Holder:
+    """A scripted holder: grants the leading keys it has, or misbehaves."""
+
+    def __init__(self) -> None:
+        self.keys: set[BlockHash] = set()
+        self.mode = "grant"  # grant | refuse | fail | hang
+        self.reserved: list[tuple[str, list[BlockHash]]] = []
+        self.released: list[str] = []
+
+    async def reserve(
+        self, hit: PrefixHit, keys: list[BlockHash], lease_id: str, requester: Any
+    ) -> LeaseGrant:
+        assert requester == IDENTITY
+        self.reserved.append((lease_id, keys))
+        if self.mode == "fail":
+            raise ConnectionRefusedError("holder is gone")
+        if self.mode == "incompatible":
+            raise ValueError("model differs: 'other' here, 'test-model' on the peer")
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        granted: list[BlockHash] = []
+        if self.mode == "grant":
+            for key in keys:
+                if key not in self.keys:
+                    break
+                granted.append(key)
+        n = len(granted)
+        return LeaseGrant(
+            lease_id, hit.rank, tuple(granted), (CPU_TIER,) * n, ("bfloat16",) * n
+        )
+
+    async def release(self, hit: PrefixHit, lease_id: str) -> None:
+        self.released.append(lease_id)
+
+
+@pytest.fixture
+def loop() -> Iterator[BackgroundLoop]:
+    background = BackgroundLoop("test-scheduler-side")
+    yield background
+    background.close()
+
+
+@pytest.fixture
+def tracker() -> BlockTrackerActor:
+    actor = BlockTrackerActor()
+    actor.register_replica(HOLDER, "nixl://holder")
+    actor.register_replica(LOADER, "nixl://loader")
+    return actor
+
+
+def make_side(
+    loop: BackgroundLoop,
+    tracker: BlockTrackerActor,
+    holder: Holder,
+    load_async: bool = False,
+    rpc_timeout_s: float = 2.0,
+) -> SchedulerSide:
+    async def query_prefix(rank: int, keys: list[BlockHash]) -> PrefixHit | None:
+        return tracker.query_prefix(rank, keys)
+
+    side = SchedulerSide(
+        SchedulerSettings(
+            rank=LOADER,
+            namespace=NS,
+            block_size=BS,
+            load_async=load_async,
+            rpc_timeout_s=rpc_timeout_s,
+            backoff_s=60.0,
+        ),
+        loop,
+        query_prefix,
+        holder.reserve,
+        holder.release,
+    )
+    side.set_identity(IDENTITY)
+    return side
+
+
+def publish(
+    tracker: BlockTrackerActor, holder: Holder, prompt: list[int]
+) -> list[BlockHash]:
+    keys = hash_full_blocks(prompt, BS, NS)
+    tracker.register_blocks(HOLDER, keys)
+    holder.keys.update(keys)
+    return keys
+
+
+def test_the_last_prompt_token_never_counts(loop, tracker):
+    """A 12-token prompt whose 3 blocks are all held: only 2 can be supplied,
+    because vLLM must compute the last prompt token itself."""
+    holder = Holder()
+    prompt = list(range(12))
+    keys = publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (8, False)
+    assert holder.reserved[0][1] == keys[:2]
+    # With one more token the third block becomes loadable.
+    side2 = make_side(loop, tracker, holder)
+    assert side2.num_new_matched_tokens("s", prompt + [99], 0) == (12, False)
+
+
+def test_hit_beyond_local_blocks_reserves_only_the_missing_ones(loop, tracker):
+    holder = Holder()
+    prompt = list(range(20))
+    keys = publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder, load_async=True)
+    # vLLM has the first block locally: the peer supplies blocks 1..3 (4 is last-token).
+    assert side.num_new_matched_tokens("r", prompt, BS) == (3 * BS, True)
+    assert holder.reserved[0][1] == keys[1:4]
+    assert side.stats["hits"] == 1
+
+
+def test_local_prefix_covering_the_lookup_asks_nobody(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 8) == (0, False)
+    assert holder.reserved == []
+
+
+def test_no_identity_yet_is_a_miss(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side._identity = None  # the worker has not mapped its caches yet
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+    assert holder.reserved == []
+
+
+def test_refused_reservation_is_a_miss_and_released(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.mode = "refuse"
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+    assert side.stats["misses_refused"] == 1
+
+
+def test_evicted_snapshot_shortens_the_grant(loop, tracker):
+    """The tracker still lists 3 blocks but the holder dropped the third one."""
+    holder = Holder()
+    prompt = list(range(13))
+    keys = publish(tracker, holder, prompt)
+    holder.keys.discard(keys[2])
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (2 * BS, False)
+
+
+def test_failed_holder_is_a_miss_and_backed_off(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.mode = "fail"
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+    # The next request does not pay for the dead holder again.
+    assert side.num_new_matched_tokens("s", prompt, 0) == (0, False)
+    assert len(holder.reserved) == 1
+    assert side.stats["misses_peer_error"] == 1
+    side.flush(2)
+    assert holder.released == []  # refused connections granted nothing
+
+
+def test_incompatible_holder_is_a_miss_and_named(loop, tracker, caplog):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.mode = "incompatible"
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+    assert side.num_new_matched_tokens("s", prompt, 0) == (0, False)
+    assert len(holder.reserved) == 1  # not asked again
+    assert side.stats["misses_incompatible"] == 1
+    assert "cannot share KV" in caplog.text and "model differs" in caplog.text
+    side.flush(2)
+    assert holder.released == []  # nothing was granted
+
+
+def test_hanging_holder_costs_one_deadline(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.mode = "hang"
+    side = make_side(loop, tracker, holder, rpc_timeout_s=0.3)
+    started = time.monotonic()
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+    assert time.monotonic() - started < 2.0
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]  # in case it granted late
+
+
+def test_asking_again_reuses_the_standing_reservation(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    first = side.num_new_matched_tokens("r", prompt, 0)
+    again = side.num_new_matched_tokens("r", prompt, 0)
+    assert first == again == (8, False)
+    assert len(holder.reserved) == 1
+    # A longer local prefix replaces it.
+    assert side.num_new_matched_tokens("r", prompt, 4) == (4, False)
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+
+
+def test_allocation_turns_the_reservation_into_a_load(loop, tracker):
+    holder = Holder()
+    prompt = list(range(16))  # 4 full blocks; the last one is not loadable
+    keys = publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, BS) == (2 * BS, False)
+    side.on_allocated("r", [[7, 8, 9, 10]], 2 * BS)
+    step = side.build_step(
+        [ScheduledRequest("r", 3 * BS, 4, [7, 8, 9, 10], whole_table=True)]
+    )
+    (item,) = step.loads
+    assert item.req_id == "r" and item.load is not None
+    assert item.load.dst_block_ids == (8, 9)
+    assert item.load.grant.keys == tuple(keys[1:3])
+    assert item.load.holder_address == "nixl://holder"
+    # The loaded and the local blocks are not staged again; block 3 became full.
+    assert [(s.key, s.block_id) for s in step.stage] == [(keys[3], 10)]
+    # The lease now belongs to the load: finishing the request does not release it.
+    assert side.request_finished("r") == {
+        "xavier_external_tokens": 2 * BS,
+        "xavier_holder_rank": HOLDER,
+    }
+    side.flush(2)
+    assert holder.released == []
+
+
+def test_null_destination_is_reported_as_failed(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    side.on_allocated("r", [[None, 5, 6]], 2 * BS)
+    (item,) = side.build_step([]).loads
+    assert item.load is None and item.failed_block_ids == (5,)
+    side.flush(2)
+    assert len(holder.released) == 1
+
+
+def test_zero_external_tokens_after_reservation_releases_it(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    side.on_allocated("r", [[1, 2, 3]], 0)
+    assert side.build_step([]).loads == ()
+    side.flush(2)
+    assert len(holder.released) == 1
+
+
+def test_finished_before_allocation_releases_the_lease(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    assert side.request_finished("r") is None  # aborted while waiting
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+
+
+def test_chunked_prefill_stages_each_full_block_once(loop, tracker):
+    holder = Holder()
+    side = make_side(loop, tracker, holder)
+    prompt = list(range(100, 111))  # 2 full blocks and a tail of 3
+    keys = hash_full_blocks(prompt, BS, NS)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+    side.on_allocated("r", [[4, 5, 6]], 0)
+    # vLLM sends the whole table first, then only appended blocks.
+    step1 = side.build_step([ScheduledRequest("r", 0, 6, [4, 5], whole_table=True)])
+    step2 = side.build_step([ScheduledRequest("r", 6, 5, [6])])
+    step3 = side.build_step([ScheduledRequest("r", 11, 1, [])])  # decode
+    assert [(s.key, s.block_id) for s in step1.stage] == [(keys[0], 4)]
+    assert [(s.key, s.block_id) for s in step2.stage] == [(keys[1], 5)]
+    assert step3.stage == ()
+
+
+def test_a_resumed_request_stages_into_its_new_block_table(loop, tracker):
+    """Preempted after its first block was staged, the request comes back with a
+    whole new table (vLLM lists it in resumed_req_ids): later blocks are staged
+    from the new table, not from positions appended to the old one."""
+    side = make_side(loop, tracker, Holder())
+    prompt = list(range(200, 213))  # 3 full blocks and a tail of 1
+    keys = hash_full_blocks(prompt, BS, NS)
+    side.num_new_matched_tokens("r", prompt, 0)
+    first = side.build_step([ScheduledRequest("r", 0, 4, [3], whole_table=True)])
+    assert [(s.key, s.block_id) for s in first.stage] == [(keys[0], 3)]
+    # Preempted; resumed with a local hit on block 0 only, in other blocks.
+    again = side.build_step(
+        [ScheduledRequest("r", BS, 9, [8, 9, 11, 12], whole_table=True)]
+    )
+    assert [(s.key, s.block_id) for s in again.stage] == [(keys[1], 9), (keys[2], 11)]
+
+
+def test_appended_blocks_without_a_whole_table_are_never_staged(loop, tracker):
+    """Staging by guessed positions could publish a block under another block's key:
+    a request whose whole table vLLM never sent publishes nothing."""
+    side = make_side(loop, tracker, Holder())
+    prompt = list(range(300, 309))
+    side.num_new_matched_tokens("r", prompt, 0)
+    assert side.build_step([ScheduledRequest("r", 0, 9, [5, 6])]).stage == ()
+
+
+def test_unknown_requests_are_not_staged(loop, tracker):
+    side = make_side(loop, tracker, Holder())
+    step = side.build_step([ScheduledRequest("x", 0, 8, [1, 2], whole_table=True)])
+    assert step.stage == ()
+
+
+def test_tracker_failure_is_a_miss(loop, tracker):
+    holder = Holder()
+
+    async def broken(rank: int, keys: list[BlockHash]) -> PrefixHit | None:
+        raise ConnectionError("tracker unreachable")
+
+    side = make_side(loop, tracker, holder)
+    side._query_prefix = broken
+    assert side.num_new_matched_tokens("r", list(range(9)), 0) == (0, False)
+    assert side.stats["misses_peer_error"] == 1
+
+
+def test_background_loop_deadline_cancels():
+    background = BackgroundLoop("deadline")
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            background.run(asyncio.sleep(10), 0.2)
+        assert time.monotonic() - started < 1.5
+        assert background.run(asyncio.sleep(0, result=5), 1) == 5
+    finally:
+        background.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        background.submit(asyncio.sleep(0))
+
+
+def test_a_request_gets_one_load_at_most(loop, tracker):
+    """vLLM asks again about a request whose load failed (it recomputes from the
+    first failed block): a second remote hit would retry the same failing load
+    for ever, so the answer is now 0."""
+    holder = Holder()
+    prompt = list(range(500, 513))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (3 * BS, False)
+    side.on_allocated("r", [[1, 2, 3, 4]], 3 * BS)
+    assert len(side.build_step([]).loads) == 1
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+
+
+def test_an_abandoned_load_fails_its_blocks_and_is_not_retried(loop, tracker):
+    """The facade could not turn a reservation into a load (a fault after vLLM
+    counted external tokens): the lease goes back, the worker is told to fail the
+    request's blocks, and the request is not offered a remote hit again."""
+    holder = Holder()
+    prompt = list(range(600, 613))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (3 * BS, False)
+    side.abandon_load("r", [7, None, 8])
+    (item,) = side.build_step([]).loads
+    assert item.load is None and item.failed_block_ids == (7, 8)
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+
+
+def test_failing_pending_loads_releases_their_leases(loop, tracker):
+    holder = Holder()
+    prompt = list(range(700, 713))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    side.on_allocated("r", [[4, 5, 6, 9]], 3 * BS)
+    step = side.fail_pending_loads()
+    (item,) = step.loads
+    assert item.load is None and item.failed_block_ids == (4, 5, 6)
+    assert side.build_step([]).loads == ()
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+
+
+def test_a_load_the_worker_reports_failed_is_not_reported_as_a_hit(loop, tracker):
+    """vLLM hands the connector the blocks the worker could not load; a request
+    whose load wrote one of them recomputed its prefix, so its output must not
+    claim external tokens."""
+    holder = Holder()
+    prompt = list(range(800, 813))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    side.on_allocated("r", [[4, 5, 6, 9]], 3 * BS)
+    side.build_step([])
+    side.loads_failed({99})  # another request's block: no change
+    assert side.request_finished("r") is not None
+    side.num_new_matched_tokens("s", prompt, 0)
+    side.on_allocated("s", [[14, 15, 16, 19]], 3 * BS)
+    side.build_step([])
+    side.loads_failed({15})
+    assert side.request_finished("s") is None
+    assert side.stats["loads_failed"] == 1

@@ -1,0 +1,298 @@
+"""The worker half of the connector against real transfer actors, without vLLM.
+
+A real ``nixl://`` pool holds the tracker and the transfer actors (sub-pool
+processes); the "engine" is a set of per-layer KV tensors in vLLM's CPU layout, views
+of one allocation, in this test process. The actors map them through shared memory
+exactly as they map a vLLM worker's cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.connector.scheduler import (
+    BackgroundLoop,
+    RequestLoad,
+    StepMetadata,
+)
+from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
+from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
+from xinference.model.llm.vllm.xavier.wire import LoadRequest, StageItem
+
+from ..vllm_support import XavierCluster
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+LAYERS, HEADS, BS, HEAD = 2, 2, 32, 32
+NUM_BLOCKS = 24
+MODEL = "worker-side-test"
+_ranks = itertools.count(10)  # fresh transfer actors per test: each maps once
+
+
+def engine_cache(seed: int) -> list[torch.Tensor]:
+    """Per-layer CPU-layout KV tensors, views of one allocation, random bf16."""
+    generator = torch.Generator().manual_seed(seed)
+    whole = torch.randn(
+        LAYERS, NUM_BLOCKS, HEADS, BS, 2 * HEAD, generator=generator
+    ).to(torch.bfloat16)
+    return [whole[layer] for layer in range(LAYERS)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[XavierCluster]:
+    cluster = XavierCluster(MODEL, num_replicas=2, rpc_timeout_s=5.0)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def loop() -> Iterator[BackgroundLoop]:
+    background = BackgroundLoop("test-worker-side")
+    yield background
+    background.close()
+
+
+def make_worker(
+    cluster: XavierCluster,
+    loop: BackgroundLoop,
+    rank: int,
+    load_async: bool = False,
+    factory: Any = None,
+) -> WorkerSide:
+    import xoscar as xo
+
+    from xinference.model.llm.vllm.xavier.config import transfer_actor_uid
+
+    address = cluster.start_transfer_actor(rank)
+
+    async def actor() -> Any:
+        return await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
+
+    settings = WorkerSettings(
+        model=MODEL,
+        num_blocks=NUM_BLOCKS,
+        block_size=BS,
+        load_async=load_async,
+        rpc_timeout_s=5.0,
+        load_timeout_s=15.0,
+        layout_hint="packed_kv",
+        map_retry_s=0.1,
+    )
+    return WorkerSide(settings, loop, factory or actor)
+
+
+def test_concurrent_mapping_maps_once(cluster, loop):
+    worker = make_worker(cluster, loop, next(_ranks))
+    worker._kv_caches = engine_cache(0)
+
+    async def many() -> list[Any]:
+        return await asyncio.gather(
+            *(worker._ensure_gpu_cache_mapping() for _ in range(8))
+        )
+
+    identities = loop.run(many(), 60)
+    assert worker.map_calls == 1
+    assert all(identity == identities[0] for identity in identities)
+    assert identities[0].model == MODEL
+    assert identities[0].geometry.num_layers == LAYERS
+    # The actor itself refuses a second mapping, so "once" is not just our counter.
+    with pytest.raises(RuntimeError, match="already"):
+        loop.run(
+            worker._actor.map_engine_caches(
+                worker._handles, NUM_BLOCKS, MODEL, BS, "cpu"
+            ),
+            30,
+        )
+
+
+def test_failed_mapping_is_retried(cluster, loop):
+    rank = next(_ranks)
+    attempts = []
+
+    async def flaky() -> Any:
+        import xoscar as xo
+
+        from xinference.model.llm.vllm.xavier.config import transfer_actor_uid
+
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            raise ConnectionRefusedError("transfer actor not created yet")
+        address = cluster.transfer_addresses[rank]
+        return await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
+
+    worker = make_worker(cluster, loop, rank, factory=flaky)
+    worker._kv_caches = engine_cache(1)
+    with pytest.raises(ConnectionRefusedError):
+        loop.run(worker._ensure_gpu_cache_mapping(), 30)
+    assert worker.identity is None
+    identity = loop.run(worker._ensure_gpu_cache_mapping(), 60)
+    assert worker.identity == identity and len(attempts) == 2
+    assert worker.map_calls == 1  # the failed attempt never reached the actor
+
+
+def test_background_mapping_retries_until_the_actor_exists(cluster, loop):
+    """The engine registers its caches before the launcher creates the actor."""
+    rank = next(_ranks)
+    created: list[bool] = []
+
+    async def late() -> Any:
+        import xoscar as xo
+
+        from xinference.model.llm.vllm.xavier.config import transfer_actor_uid
+
+        if not created:
+            raise LookupError("no transfer actor yet")
+        return await xo.actor_ref(
+            cluster.transfer_addresses[rank], transfer_actor_uid(MODEL, rank)
+        )
+
+    worker = make_worker(cluster, loop, rank, factory=late)
+    worker.register_kv_caches(engine_cache(2))
+    time.sleep(0.3)
+    assert worker.identity is None
+    created.append(True)
+    assert worker.wait_mapped(30).model == MODEL
+    assert worker.take_identity_report() == worker.identity
+    assert worker.take_identity_report() is None  # reported once
+
+
+def test_mapping_after_close_raises(cluster, loop):
+    worker = make_worker(cluster, loop, next(_ranks))
+    worker._kv_caches = engine_cache(3)
+    worker.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.run(worker._ensure_gpu_cache_mapping(), 30)
+
+
+class Pair:
+    """A holder worker and a loader worker, both mapped."""
+
+    def __init__(self, cluster: XavierCluster, loop: BackgroundLoop, load_async: bool):
+        self.holder_rank, self.loader_rank = next(_ranks), next(_ranks)
+        self.holder = make_worker(cluster, loop, self.holder_rank, load_async)
+        self.loader = make_worker(cluster, loop, self.loader_rank, load_async)
+        self.holder_cache = engine_cache(11)
+        self.loader_cache = engine_cache(12)
+        self.holder.register_kv_caches(self.holder_cache)
+        self.loader.register_kv_caches(self.loader_cache)
+        self.holder.wait_mapped(60)
+        self.loader_identity = self.loader.wait_mapped(60)
+        self.cluster = cluster
+        self.load_async = load_async
+
+    def stage(self, block_ids: list[int]) -> list[bytes]:
+        keys = hash_full_blocks(list(range(BS * len(block_ids))), BS, f"ns{block_ids}")
+        step = StepMetadata(
+            stage=tuple(StageItem(k, b) for k, b in zip(keys, block_ids, strict=True))
+        )
+        self.holder.wait_for_save(step)
+        return keys
+
+    def reserve(self, keys: list[bytes], lease_id: str) -> Any:
+        return self.cluster.call(
+            self.cluster.transfer_refs[self.holder_rank].reserve(
+                keys, lease_id, self.loader_identity
+            )
+        )
+
+    def load_step(self, req_id: str, grant: Any, dst: list[int]) -> StepMetadata:
+        load = LoadRequest(
+            load_id=grant.lease_id,
+            grant=grant,
+            holder_address=self.cluster.transfer_addresses[self.holder_rank],
+            dst_block_ids=tuple(dst),
+        )
+        return StepMetadata(
+            loads=(RequestLoad(req_id, load),), load_async=self.load_async
+        )
+
+
+def block_bytes(cache: list[torch.Tensor], block_id: int) -> list[torch.Tensor]:
+    return [layer[block_id].view(torch.int16).clone() for layer in cache]
+
+
+def assert_same_blocks(pair: Pair, src: list[int], dst: list[int]) -> None:
+    for s, d in zip(src, dst, strict=True):
+        for a, b in zip(
+            block_bytes(pair.holder_cache, s),
+            block_bytes(pair.loader_cache, d),
+            strict=True,
+        ):
+            assert torch.equal(a, b)
+
+
+def test_staged_blocks_load_synchronously_into_the_peer(cluster, loop):
+    pair = Pair(cluster, loop, load_async=False)
+    keys = pair.stage([3, 5])
+    grant = pair.reserve(keys, "lease-sync")
+    assert grant.keys == tuple(keys)
+    assert not torch.equal(pair.holder_cache[0][3], pair.loader_cache[0][7])
+    pair.loader.start_load_kv(pair.load_step("r1", grant, [7, 8]))
+    assert_same_blocks(pair, [3, 5], [7, 8])
+    assert pair.loader.get_block_ids_with_load_errors() == set()
+    assert pair.loader.get_finished(set()) == (None, None)
+
+
+def test_async_load_is_reported_finished(cluster, loop):
+    pair = Pair(cluster, loop, load_async=True)
+    keys = pair.stage([1, 2, 4])
+    grant = pair.reserve(keys, "lease-async")
+    pair.loader.start_load_kv(pair.load_step("r2", grant, [9, 10, 11]))
+    finished: set[str] = set()
+    deadline = time.monotonic() + 20
+    while "r2" not in finished and time.monotonic() < deadline:
+        finished |= pair.loader.get_finished(set())[1] or set()
+        time.sleep(0.02)
+    assert finished == {"r2"}
+    assert pair.loader.get_block_ids_with_load_errors() == set()
+    assert_same_blocks(pair, [1, 2, 4], [9, 10, 11])
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_failed_load_names_its_blocks(cluster, loop, load_async):
+    """A load whose lease the holder does not know fails; its blocks are reported."""
+    pair = Pair(cluster, loop, load_async=load_async)
+    keys = pair.stage([6])
+    grant = pair.reserve(keys, "lease-real")
+    forged = type(grant)(
+        "lease-unknown",
+        grant.holder_rank,
+        grant.keys,
+        grant.tiers,
+        grant.logical_dtypes,
+    )
+    pair.loader.start_load_kv(pair.load_step("r3", forged, [12]))
+    errors: set[int] = set()
+    finished: set[str] = set()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        finished |= pair.loader.get_finished(set())[1] or set()
+        errors |= pair.loader.get_block_ids_with_load_errors()
+        if errors and (finished or not load_async):
+            break
+        time.sleep(0.02)
+    assert errors == {12}
+    if load_async:
+        assert finished == {"r3"}
+
+
+def test_aborted_async_load_is_reported_once_its_writes_end(cluster, loop):
+    pair = Pair(cluster, loop, load_async=True)
+    keys = pair.stage([13, 14])
+    grant = pair.reserve(keys, "lease-abort")
+    pair.loader.start_load_kv(pair.load_step("r4", grant, [15, 16]))
+    finished: set[str] = set()
+    deadline = time.monotonic() + 20
+    while "r4" not in finished and time.monotonic() < deadline:
+        # vLLM passes the aborted request's id in finished_req_ids.
+        finished |= pair.loader.get_finished({"r4"})[1] or set()
+        time.sleep(0.02)
+    assert finished == {"r4"}
+    assert pair.loader._in_flight == {}

@@ -1,0 +1,115 @@
+"""Sharing tensors with another process: CPU shared memory and CUDA IPC.
+
+The cross-process tests spawn a real child process (the transfer actor's side of
+the topology) and check that writes on either side are seen on the other.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.engine.device import (
+    CpuStorageHandle,
+    export_tensors,
+    fence,
+    import_tensors,
+)
+
+from .._support import exchange_with_child
+
+pytestmark = pytest.mark.timeout(120)
+
+CHILD_TIMEOUT_S = 90.0
+
+
+def make_tensors(device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """a and b: views of one allocation; c: a transposed view of another."""
+    flat = torch.arange(64, dtype=torch.float32, device=device).to(torch.bfloat16)
+    a = flat[:32].view(4, 8)
+    b = flat[32:].view(2, 16)
+    c = torch.arange(15, dtype=torch.float32, device=device).view(5, 3).t()
+    return flat, [a, b, c]
+
+
+def test_export_moves_cpu_memory_into_shared_memory_in_place():
+    flat, tensors = make_tensors("cpu")
+    a, b, c = tensors
+    handles = export_tensors(tensors)
+    # Layers that are views of one allocation are one shared storage.
+    assert len(handles.storages) == 2
+    assert [v.storage for v in handles.views] == [0, 0, 1]
+    assert all(isinstance(s, CpuStorageHandle) for s in handles.storages)
+    assert flat.is_shared() and a.is_shared() and c.is_shared()
+    # The views still alias the original allocation, now in shared memory.
+    flat[33] = 5
+    assert float(b[0, 1]) == 5
+    # Handles are frozen dataclasses that pickle (they cross xoscar calls).
+    assert pickle.loads(pickle.dumps(handles)) == handles
+
+
+def test_import_in_the_same_process_maps_one_storage_per_allocation():
+    flat, tensors = make_tensors("cpu")
+    a2, b2, c2 = import_tensors(export_tensors(tensors))
+    assert a2.untyped_storage().data_ptr() == b2.untyped_storage().data_ptr()
+    assert torch.equal(c2, tensors[2]) and c2.stride() == tensors[2].stride()
+    b2[1, 3] = -2
+    assert float(flat[32 + 16 + 3]) == -2
+    fence("cpu")  # a no-op on CPU, but callable
+
+
+def run_exchange(device: str) -> None:
+    flat, tensors = make_tensors(device)
+    a, b, c = tensors
+    expected = [t.float().cpu().tolist() for t in tensors]
+    handles = export_tensors(tensors)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    child = ctx.Process(target=exchange_with_child, args=(handles, child_end))
+    child.start()
+    try:
+        assert parent.poll(CHILD_TIMEOUT_S), "the child did not answer in time"
+        reply = parent.recv()
+        assert not isinstance(reply, str), reply
+        seen, same_storage, devices = reply
+        assert seen == expected
+        assert same_storage, "a and b are views of one allocation in the exporter"
+        assert all(d.startswith(device) for d in devices)
+
+        assert parent.poll(CHILD_TIMEOUT_S)
+        assert parent.recv() == "written"
+        assert float(a[0, 0]) == 7  # the child's writes reached our memory
+        assert float(c[1, 2]) == 3.5
+        b[1, 3] = 11
+        fence(device)
+        parent.send("go")
+        assert parent.poll(CHILD_TIMEOUT_S)
+        assert parent.recv() == 11.0  # ours reached the child's mapping
+    finally:
+        child.join(CHILD_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
+def test_cpu_tensors_shared_with_another_process_both_ways():
+    run_exchange("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA IPC needs a CUDA device (torch sees none)",
+)
+def test_cuda_tensors_shared_through_ipc_both_ways():
+    run_exchange("cuda")
+
+
+def test_empty_and_mixed_inputs_are_refused():
+    with pytest.raises(ValueError, match="empty"):
+        export_tensors([])
+    with pytest.raises(ValueError, match="meta"):
+        export_tensors([torch.empty(2, device="meta")])

@@ -1,0 +1,77 @@
+"""The block tracker as a real actor in a real xoscar pool."""
+
+import pytest
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
+from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
+from xinference.model.llm.vllm.xavier.wire import PrefixHit
+
+KEYS = hash_full_blocks(list(range(16 * 6)), 16, "tracker-test")
+
+
+@pytest.fixture
+async def tracker():
+    pool = await xo.create_actor_pool("127.0.0.1", n_process=0)
+    async with pool:
+        ref = await xo.create_actor(
+            BlockTrackerActor, address=pool.external_address, uid="tracker"
+        )
+        await ref.register_replica(0, "nixl://a")
+        await ref.register_replica(1, "nixl://b")
+        await ref.register_replica(2, "nixl://c")
+        yield ref
+
+
+async def test_longest_prefix_excludes_the_caller(tracker):
+    await tracker.register_blocks(0, KEYS[:4])
+    await tracker.register_blocks(1, KEYS[:2])
+    assert await tracker.query_prefix(0, KEYS) == PrefixHit(1, "nixl://b", 2)
+    assert await tracker.query_prefix(1, KEYS) == PrefixHit(0, "nixl://a", 4)
+    assert await tracker.query_prefix(2, KEYS) == PrefixHit(0, "nixl://a", 4)
+
+
+async def test_prefix_must_be_contiguous_from_the_first_block(tracker):
+    """A holder of blocks 2..5 but not 1 offers nothing for this prompt."""
+    await tracker.register_blocks(0, KEYS[1:5])
+    assert await tracker.query_prefix(1, KEYS) is None
+    await tracker.register_blocks(0, [KEYS[0]])
+    assert await tracker.query_prefix(1, KEYS) == PrefixHit(0, "nixl://a", 5)
+
+
+async def test_prefix_is_not_joined_across_holders(tracker):
+    await tracker.register_blocks(0, KEYS[:2])
+    await tracker.register_blocks(1, KEYS[2:4])
+    assert await tracker.query_prefix(2, KEYS) == PrefixHit(0, "nixl://a", 2)
+
+
+async def test_unregister_in_batches(tracker):
+    await tracker.register_blocks(0, KEYS)
+    await tracker.unregister_blocks(0, KEYS[3:])
+    assert await tracker.query_prefix(1, KEYS) == PrefixHit(0, "nixl://a", 3)
+    await tracker.unregister_blocks(0, KEYS)
+    assert await tracker.query_prefix(1, KEYS) is None
+    assert await tracker.num_blocks(0) == 0
+
+
+async def test_forget_replica(tracker):
+    await tracker.register_blocks(0, KEYS)
+    await tracker.forget_replica(0)
+    assert await tracker.query_prefix(1, KEYS) is None
+    assert 0 not in await tracker.replicas()
+    # unregistering on behalf of a forgotten replica is harmless
+    await tracker.unregister_blocks(0, KEYS)
+
+
+async def test_register_again_replaces_the_old_incarnation(tracker):
+    """A restarted replica lost its snapshots: its old keys must not be served."""
+    await tracker.register_blocks(0, KEYS)
+    await tracker.register_replica(0, "nixl://a2")
+    assert await tracker.query_prefix(1, KEYS) is None
+    await tracker.register_blocks(0, KEYS[:1])
+    assert await tracker.query_prefix(1, KEYS) == PrefixHit(0, "nixl://a2", 1)
+
+
+async def test_blocks_of_an_unknown_replica_are_rejected(tracker):
+    with pytest.raises(KeyError, match="not registered"):
+        await tracker.register_blocks(9, KEYS[:1])

@@ -1,0 +1,1 @@
+"""The transfer actor (one per replica) and the parts it is made of."""

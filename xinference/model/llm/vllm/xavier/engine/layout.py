@@ -1,0 +1,202 @@
+"""Which layout the engine's per-layer KV tensors have, and the bytes of a row.
+
+vLLM keeps one KV tensor per layer, in a shape that depends on the attention backend:
+
+- ``packed_kv``: ``(num_blocks, kv_heads, block_size, 2 * head_size)``, block axis 0
+  (vLLM's CPU backend, and FlashAttention on a GPU from vLLM 0.26 on, whatever its
+  memory order);
+- ``kv_first``: ``(2, num_blocks, block_size, kv_heads, head_size)``, block axis 1;
+- ``block_first``: ``(num_blocks, 2, block_size, kv_heads, head_size)``, block axis 0.
+
+Xavier moves whole blocks: a block of one layer is one row of ``R =
+layer_block_nbytes`` bytes, listing the block's bytes in the order of the per-block
+shape (the layer shape without the block axis), whatever the strides. That is what
+makes two layouts exchangeable: ``kv_first`` and ``block_first`` both give ``(2,
+block_size, heads, head)`` and identical rows; ``packed_kv`` does not (see
+``row_format``). Only raw bytes move; the logical dtype travels beside them and is
+checked on arrival, so every BF16 bit pattern survives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..wire import KVGeometry
+
+PACKED_KV_LAYOUT = "packed_kv"
+KV_FIRST_LAYOUT = "kv_first"
+BLOCK_FIRST_LAYOUT = "block_first"
+LAYOUTS = (PACKED_KV_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT)
+
+# layout name -> (number of dimensions, block axis)
+_SHAPES: dict[str, tuple[int, int]] = {
+    PACKED_KV_LAYOUT: (4, 0),
+    KV_FIRST_LAYOUT: (5, 1),
+    BLOCK_FIRST_LAYOUT: (5, 0),
+}
+# layout name -> the order of a row's bytes (the per-block shape's axes)
+_ROW_FORMATS: dict[str, str] = {
+    PACKED_KV_LAYOUT: "heads,tokens,kv*head",
+    KV_FIRST_LAYOUT: "kv,tokens,heads,head",
+    BLOCK_FIRST_LAYOUT: "kv,tokens,heads,head",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the logical dtype names on the wire)."""
+    return str(dtype).removeprefix("torch.")
+
+
+# Widest first. Bytes are bytes: copying them as 8-byte integers is exact.
+WIDE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def wide_view(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The same bytes as ``tensor`` (any dtype), viewed as ``dtype`` or else the widest
+    integer type its shape, strides and offset allow.
+
+    Why: a row copy of 1-byte elements counts 8x the elements of the same bytes as
+    int64, which crosses ATen's parallel grain sooner, and on a busy CPU starting a
+    parallel region costs far more than copying a block serially. A tensor that
+    cannot take ``dtype`` is copied first.
+    """
+    if dtype is not None:
+        try:
+            return tensor.view(dtype)
+        except RuntimeError:
+            return tensor.contiguous().view(dtype)
+    for candidate in WIDE_DTYPES:
+        if candidate.itemsize < tensor.element_size():
+            continue
+        try:
+            return tensor.view(candidate)
+        except RuntimeError:
+            continue
+    return tensor.view(torch.uint8)
+
+
+def row_format(layout: str) -> str:
+    """The byte order of a row in ``layout``; replicas exchange rows only if equal.
+
+    An unknown name is its own format, so it is compatible only with itself.
+    """
+    return _ROW_FORMATS.get(layout, layout)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How one engine lays out its per-layer KV tensors (identical for all layers)."""
+
+    name: str
+    num_blocks: int
+    block_axis: int
+    block_shape: tuple[
+        int, ...
+    ]  # one layer's block: the layer shape minus the block axis
+    dtype: str  # logical dtype name, e.g. "bfloat16"
+    layer_block_nbytes: int
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block: the second axis of the per-block shape in every layout."""
+        return self.block_shape[1]
+
+    def geometry(self, num_layers: int) -> KVGeometry:
+        return KVGeometry(
+            num_layers=num_layers,
+            layer_block_nbytes=self.layer_block_nbytes,
+            logical_dtype=self.dtype,
+            block_size=self.block_size,
+        )
+
+
+def detect_layout(
+    tensors: Sequence[torch.Tensor], num_blocks: int, layout_hint: str | None = None
+) -> KVLayout:
+    """Recognise the layout of the engine's per-layer KV tensors.
+
+    ``num_blocks`` is the engine's block count (from vLLM's cache config); the block
+    axis is where it appears. A shape where it could be either of two axes (say
+    ``num_blocks == 2`` in a five-dimensional layout) is refused unless
+    ``layout_hint`` names the layout.
+    """
+    if not tensors:
+        raise ValueError("no KV cache tensors to describe")
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    first = tensors[0]
+    for layer, tensor in enumerate(tensors):
+        if tensor.shape != first.shape or tensor.dtype != first.dtype:
+            raise ValueError(
+                f"KV cache layer {layer} is {tuple(tensor.shape)} {tensor.dtype}, "
+                f"layer 0 is {tuple(first.shape)} {first.dtype}: layers of different "
+                "shapes or dtypes (hybrid models) are not supported"
+            )
+        if tensor.device != first.device:
+            raise ValueError(
+                f"KV cache layer {layer} is on {tensor.device}, layer 0 on {first.device}"
+            )
+    shape = tuple(first.shape)
+
+    if layout_hint is not None:
+        if layout_hint not in _SHAPES:
+            raise ValueError(
+                f"unknown KV layout {layout_hint!r}; expected one of {LAYOUTS}"
+            )
+        if not _fits(layout_hint, shape, num_blocks):
+            raise ValueError(
+                f"KV cache shape {shape} does not fit layout {layout_hint!r} with "
+                f"{num_blocks} blocks"
+            )
+        name = layout_hint
+    else:
+        candidates = [n for n in LAYOUTS if _fits(n, shape, num_blocks)]
+        if not candidates:
+            raise ValueError(
+                f"unrecognised KV cache shape {shape} for {num_blocks} blocks; "
+                f"expected one of the layouts {LAYOUTS}"
+            )
+        if len(candidates) > 1:
+            raise ValueError(
+                f"ambiguous KV cache shape {shape} for {num_blocks} blocks: it fits "
+                f"{candidates}; pass the layout name explicitly"
+            )
+        (name,) = candidates
+
+    if first.stride()[-1] != 1 and first.shape[-1] != 1:
+        # A uint8 view of a wider dtype needs unit stride in the last dimension.
+        raise ValueError(
+            f"KV cache tensors must be contiguous in the last dimension, got strides "
+            f"{first.stride()}"
+        )
+    block_axis = _SHAPES[name][1]
+    block_shape = shape[:block_axis] + shape[block_axis + 1 :]
+    return KVLayout(
+        name=name,
+        num_blocks=num_blocks,
+        block_axis=block_axis,
+        block_shape=block_shape,
+        dtype=dtype_name(first.dtype),
+        layer_block_nbytes=_numel(block_shape) * first.element_size(),
+    )
+
+
+def _fits(name: str, shape: tuple[int, ...], num_blocks: int) -> bool:
+    ndim, block_axis = _SHAPES[name]
+    if len(shape) != ndim or shape[block_axis] != num_blocks:
+        return False
+    if name == KV_FIRST_LAYOUT:
+        return shape[0] == 2
+    if name == BLOCK_FIRST_LAYOUT:
+        return shape[1] == 2
+    return True
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

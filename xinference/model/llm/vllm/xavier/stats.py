@@ -1,0 +1,210 @@
+"""The one stats object of a replica's Xavier side, typed, and its parts.
+
+The transfer actor answers ``stats()`` with an ``XavierStats``: the store's counts and
+occupancy (``StoreStats``), the transport's (``TransportStats``, the same fields
+under every transport, zero where a transport has no such event), the actor's own
+load and staging counters (``ActorCounters``), the latency of loads as served
+(``LatencySummary``) and the mapped engine cache (``EngineInfo``). ``core/metrics.py``
+reads these attributes; the REST API and the console print ``as_dict()``.
+
+The latency of loads is kept two ways by ``LatencyRecorder``: a cumulative histogram
+(fixed buckets, Prometheus style) that survives any number of loads, and the window
+of the most recent durations for exact p50/p95. Pure Python: no torch, no xoscar.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """The snapshot store's counters since construction and its occupancy now.
+
+    ``*_snapshots`` and ``*_bytes`` count published snapshots; slots held by
+    snapshots still staging are ``staging_snapshots``.
+    """
+
+    device_hits: int = 0
+    cpu_hits: int = 0
+    demotions: int = 0
+    drops: int = 0
+    skips: int = 0
+    published: int = 0
+    device_snapshots: int = 0
+    cpu_snapshots: int = 0
+    device_bytes: int = 0
+    cpu_bytes: int = 0
+    device_capacity_blocks: int = 0
+    cpu_capacity_blocks: int = 0
+    staging_snapshots: int = 0
+    active_leases: int = 0
+
+
+@dataclass(slots=True)
+class TransportStats:
+    """Cumulative counts of one device-tier transport (mutable, owned by it).
+
+    ``sent_*``: what this side wrote into peers (a holder pushing with the xoscar
+    transport; a NIXL holder does nothing in a READ). ``received_*``: what loads
+    brought here. Wire bytes are what crossed, useful bytes the rows asked for.
+    ``registration_changes`` counts memory registrations after start (both ends
+    of a copy for xoscar, split in ``local_``/``remote_``); ``registrations`` the
+    NIXL registrations held; ``descriptors``, ``peer_metadata_loads`` and
+    ``engine_placed_loads`` describe NIXL READs.
+    """
+
+    sent_copies: int = 0
+    sent_wire_bytes: int = 0
+    sent_useful_bytes: int = 0
+    received_copies: int = 0
+    received_wire_bytes: int = 0
+    received_useful_bytes: int = 0
+    loads: int = 0
+    transfer_failures: int = 0
+    transfer_timeouts: int = 0
+    registrations: int = 0
+    registration_changes: int = 0
+    local_registration_changes: int = 0
+    remote_registration_changes: int = 0
+    retired_receive_slabs: int = 0
+    descriptors: int = 0
+    peer_metadata_loads: int = 0
+    engine_placed_loads: int = 0
+
+
+@dataclass(slots=True)
+class ActorCounters:
+    """The transfer actor's own counters (mutable, owned by the actor)."""
+
+    loads_started: int = 0
+    loads_ok: int = 0
+    loads_failed: int = 0
+    loads_cancelled: int = 0
+    device_tier_blocks_loaded: int = 0
+    cpu_tier_blocks_loaded: int = 0
+    cpu_rows_served: int = 0
+    snapshots_staged: int = 0
+    stage_failures: int = 0
+    lease_release_failures: int = 0
+    leases_expired: int = 0
+    tracker_failures: int = 0
+    connector_faults: int = 0  # contained inside this replica's vLLM connector
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """Durations recorded so far: ``count`` and ``sum_s`` in all, cumulative
+    ``buckets`` ``(upper bound s, count)``, and p50/p95 over the last ``window``
+    (None before the first)."""
+
+    count: int = 0
+    sum_s: float = 0.0
+    p50_s: float | None = None
+    p95_s: float | None = None
+    window: int = 0
+    buckets: tuple[tuple[float, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """The engine KV cache a transfer actor mapped."""
+
+    layout: str
+    layers: int
+    device: str
+    scatter_path: str  # see engine/blocks.py: stacked, span or per layer
+
+
+@dataclass(frozen=True, slots=True)
+class XavierStats:
+    """Everything a replica's transfer actor counts. ``store``, ``transport`` and
+    ``engine`` are None until the engine's caches are mapped."""
+
+    actor: ActorCounters = field(default_factory=ActorCounters)
+    load_latency: LatencySummary = field(default_factory=LatencySummary)
+    store: StoreStats | None = None
+    transport: TransportStats | None = None
+    engine: EngineInfo | None = None
+    in_flight_loads: int = 0
+    closed: bool = False
+
+    @property
+    def mapped(self) -> bool:
+        return self.store is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Nested plain data, for JSON and the console."""
+        return asdict(self)
+
+
+# Upper bounds in seconds: a direct NIXL load on one GPU takes about 0.1 ms, a load
+# over TCP or from the CPU tier milliseconds, a stalled one up to its deadline.
+LOAD_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+
+class LatencyRecorder:
+    """Durations in seconds: bucket counts, their sum, and the last ``window``."""
+
+    def __init__(
+        self, buckets: tuple[float, ...] = LOAD_SECONDS_BUCKETS, window: int = 1024
+    ) -> None:
+        if list(buckets) != sorted(set(buckets)) or not buckets:
+            raise ValueError(f"buckets must be strictly increasing, got {buckets}")
+        self._bounds = buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last one: above every bound
+        self._sum = 0.0
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def record(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a duration cannot be negative: {seconds}")
+        self._counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        self._sum += seconds
+        self._recent.append(seconds)
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def summary(self) -> LatencySummary:
+        cumulative, running = [], 0
+        for bound, count in zip(self._bounds, self._counts, strict=False):
+            running += count
+            cumulative.append((bound, running))
+        recent = sorted(self._recent)
+        return LatencySummary(
+            count=self.count,
+            sum_s=self._sum,
+            p50_s=statistics.median(recent) if recent else None,
+            p95_s=_quantile(recent, 0.95) if recent else None,
+            window=len(recent),
+            buckets=tuple(cumulative),
+        )
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values (linear between closest ranks)."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

@@ -1,0 +1,204 @@
+"""Descriptor lists for one NIXL READ, and where engine blocks lie.
+
+A READ moves a list of (local address, remote address, length) descriptors.
+``plan_slab_read`` reads a chunk of leased rows into the receive slab, one
+descriptor per run of consecutive holder rows; ``plan_engine_read`` reads whole
+snapshots straight into engine blocks, one descriptor per contiguous piece of a
+block (``EngineBlockMap``). Pure arithmetic on addresses: no NIXL call here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...engine.blocks import BlockPieces
+from .wire import NixlRegion, _device_id, _mem_type
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBlockMap:
+    """Addresses of every (block, layer) piece of the engine's KV cache (the fields
+    of ``layout.BlockPieces``), with the allocations NIXL registers for them."""
+
+    mem_type: str
+    device_id: int
+    regions: tuple[NixlRegion, ...]  # the distinct allocations the layers live in
+    layer_bases: tuple[int, ...]
+    block_stride: int
+    segment_offsets: tuple[int, ...]
+    segment_nbytes: int
+    num_blocks: int
+
+    @classmethod
+    def from_layers(
+        cls, layers: Sequence[torch.Tensor], block_axis: int, row_bytes: int
+    ) -> EngineBlockMap:
+        """Describe per-layer KV tensors whose block axis is ``block_axis``."""
+        pieces = BlockPieces.of(layers, block_axis)
+        nbytes = pieces.segment_nbytes * len(pieces.segment_offsets)
+        if nbytes != row_bytes:
+            raise ValueError(
+                f"an engine block of one layer has {nbytes} bytes, the geometry says "
+                f"{row_bytes}"
+            )
+        regions: dict[int, NixlRegion] = {}
+        for tensor in layers:
+            storage = tensor.untyped_storage()
+            regions.setdefault(
+                storage.data_ptr(),
+                NixlRegion(
+                    _mem_type(tensor.device),
+                    storage.data_ptr(),
+                    storage.nbytes(),
+                    _device_id(tensor.device),
+                ),
+            )
+        device = layers[0].device
+        return cls(
+            mem_type=_mem_type(device),
+            device_id=_device_id(device),
+            regions=tuple(regions.values()),
+            layer_bases=pieces.layer_bases,
+            block_stride=pieces.block_stride,
+            segment_offsets=pieces.segment_offsets,
+            segment_nbytes=pieces.segment_nbytes,
+            num_blocks=pieces.num_blocks,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """Matching local and remote descriptors ``(address, length, device id)`` as
+    ``(n, 3)`` uint64 arrays; ``nbytes`` is their total length."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    nbytes: int
+
+    @property
+    def descriptors(self) -> int:
+        return int(self.local.shape[0])
+
+
+def _u64(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.uint64)
+
+
+def _merged_plan(
+    local: np.ndarray,
+    remote: np.ndarray,
+    length: np.ndarray,
+    local_device: int,
+    remote_device: int,
+) -> ReadPlan:
+    """Join neighbouring descriptors that continue each other on both sides."""
+    local, remote, length = local.ravel(), remote.ravel(), length.ravel()
+    if local.size:
+        continues = (local[:-1] + length[:-1] == local[1:]) & (
+            remote[:-1] + length[:-1] == remote[1:]
+        )
+        starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+        length = np.add.reduceat(length, starts)
+        local, remote = local[starts], remote[starts]
+    n = local.size
+    return ReadPlan(
+        local=np.stack([local, length, np.full(n, local_device, np.uint64)], axis=1),
+        remote=np.stack([remote, length, np.full(n, remote_device, np.uint64)], axis=1),
+        nbytes=int(length.sum()),
+    )
+
+
+def plan_slab_read(
+    first_rows: Sequence[int],
+    num_layers: int,
+    row_bytes: int,
+    store: NixlRegion,
+    slab: NixlRegion,
+    first_row: int,
+    num_rows: int,
+) -> ReadPlan:
+    """Global rows ``first_row .. first_row + num_rows - 1`` of the keys whose layer 0
+    sits at ``first_rows`` in the holder's ``store``, into the slab's first bytes.
+
+    A key's layers are consecutive holder rows, so the plan is built per key (a
+    load's time is counted in microseconds; this is on its path): one descriptor
+    per run of keys whose rows continue each other in the holder.
+    """
+    if num_rows * row_bytes > slab.nbytes:
+        raise ValueError(f"{num_rows} rows do not fit a {slab.nbytes}-byte slab")
+    local: list[int] = []
+    remote: list[int] = []
+    length: list[int] = []
+    offset = 0
+
+    def add(holder_row: int, count: int) -> None:
+        nonlocal offset
+        address = store.address + holder_row * row_bytes
+        nbytes = count * row_bytes
+        if length and remote[-1] + length[-1] == address:
+            length[-1] += nbytes  # the slab side always continues
+        else:
+            local.append(slab.address + offset)
+            remote.append(address)
+            length.append(nbytes)
+        offset += nbytes
+
+    end = first_row + num_rows
+    key, layer = divmod(first_row, num_layers)
+    if layer:  # a chunk may start inside a key
+        count = min(num_layers - layer, num_rows)
+        add(first_rows[key] + layer, count)
+        key += 1
+    whole_end = end // num_layers
+    if key < whole_end:
+        # whole keys: one descriptor per run of keys stored back to back
+        run_start = run_end = first_rows[key]
+        for row in first_rows[key + 1 : whole_end]:
+            if row != run_end + num_layers:
+                add(run_start, run_end - run_start + num_layers)
+                run_start = row
+            run_end = row
+        add(run_start, run_end - run_start + num_layers)
+        key = whole_end
+    if key * num_layers < end and key * num_layers >= first_row:
+        add(first_rows[key], end - key * num_layers)  # a chunk may end inside one
+    n = len(length)
+    return ReadPlan(
+        local=_u64([local, length, [slab.device_id] * n]).T.copy(),
+        remote=_u64([remote, length, [store.device_id] * n]).T.copy(),
+        nbytes=offset,
+    )
+
+
+def plan_engine_read(
+    first_rows: Sequence[int],
+    dst_blocks: Sequence[int],
+    num_layers: int,
+    row_bytes: int,
+    store: NixlRegion,
+    engine: EngineBlockMap,
+) -> ReadPlan:
+    """Every layer of each key straight into its engine block, piece by piece."""
+    first = _u64(first_rows)[:, None, None]
+    blocks = _u64(dst_blocks)[:, None, None]
+    layers = np.arange(num_layers, dtype=np.uint64)[None, :, None]
+    pieces = np.arange(len(engine.segment_offsets), dtype=np.uint64)[None, None, :]
+    seg = np.uint64(engine.segment_nbytes)
+    remote = (
+        np.uint64(store.address)
+        + (first + layers) * np.uint64(row_bytes)
+        + pieces * seg
+    )
+    local = (
+        _u64(engine.layer_bases)[None, :, None]
+        + blocks * np.uint64(engine.block_stride)
+        + _u64(engine.segment_offsets)[None, None, :]
+    )
+    remote, local = np.broadcast_arrays(remote, local)
+    length = np.full(local.shape, seg, dtype=np.uint64)
+    return _merged_plan(local, remote, length, engine.device_id, store.device_id)

@@ -1,0 +1,463 @@
+"""``NixlDirectTransport``: device-tier loads READ straight from the holder's memory.
+
+Why not ``xo.copy_to``: every copy through xoscar's NIXL channel costs two control
+round trips (prepare, finish), a device synchronisation on both ends and, whenever
+the buffer objects change, a re-registration. Used directly, one registration covers
+every sub-range of an allocation, so a transfer moves exactly the payload's bytes.
+
+How a load works:
+
+- Every transfer actor owns one ``NixlAgentEndpoint`` (``endpoint.py``): one agent,
+  with the device tier rows, a receive slab and (optionally) the engine's KV cache
+  registered once.
+- A holder's grant carries its endpoint's epoch and each key's device-tier row
+  (the ``TransportHint``); the loader loads the holder's ``NixlEndpointInfo`` once
+  per peer and epoch (holder op ``endpoint_info``) and pulls the rows with one READ
+  per chunk. The holder's CPU does nothing: no packing, no handshake, no completion
+  message; the loader sees completion by polling the transfer state.
+- Placement ``slab`` (what serving uses) reads each chunk into the receive slab, one
+  descriptor per run of consecutive holder rows, and hands it to ``scatter``.
+  Placement ``engine`` reads straight into the destination engine blocks, one
+  descriptor per contiguous piece of a block, and copies nothing afterwards; but a
+  READ that misses its deadline may still land later on transports that need the
+  peer's progress (``tcp``), and then into engine blocks that vLLM may have handed
+  to a recomputation (the timeout says so: ``destination_at_risk``). With ``slab``
+  a late READ lands in a retired slab. Wire bytes equal useful bytes in both.
+
+Deadlines: every READ has one (``transfer_timeout_s``); a lost peer fails the load
+with ``NixlTransferError`` (UCX reports the disconnect) and a stalled one with
+``NixlTransferTimeout``.
+
+Device-generic: CPU tensors are NIXL DRAM, CUDA tensors VRAM; nothing else differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import torch
+import xoscar as xo
+
+from ...engine.device import DeviceWorkMark
+from ...hashing import BlockHash
+from ...stats import TransportStats
+from ...wire import KVGeometry, TransportHint
+from ..base import HolderCall, HolderOp, LocateRows, TransportContext
+from ..xoscar.gpu_transfer import ScatterFn, full_slab_bytes
+from .endpoint import NixlAgentEndpoint
+from .plan import EngineBlockMap, ReadPlan, plan_engine_read, plan_slab_read
+from .reads import DEST_ENGINE, DEST_SLAB
+from .wire import NixlEndpointInfo, NixlSource, NixlTransferError, NixlTransferTimeout
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PLACEMENT_SLAB = "slab"
+PLACEMENT_ENGINE = "engine"
+PLACEMENTS = (PLACEMENT_SLAB, PLACEMENT_ENGINE)
+
+
+class NixlDirectTransport:
+    """``DeviceTierTransport`` through this actor's own NIXL agent (see the module
+    docstring). Its holder ops, which a loader reaches through ``HolderCall``:
+
+    - ``endpoint_info() -> NixlEndpointInfo`` (once per peer and generation);
+    - ``source(lease_id, keys) -> NixlSource`` (only when the grant carried no
+      hint; a holder's grants carry the rows and the epoch).
+    """
+
+    def __init__(
+        self,
+        endpoint: NixlAgentEndpoint,
+        geometry: KVGeometry,
+        *,
+        rpc_timeout_s: float,
+        transfer_timeout_s: float | None = None,
+        placement: str = PLACEMENT_ENGINE,
+        locate_rows: LocateRows | None = None,
+    ) -> None:
+        if rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
+        if placement not in PLACEMENTS:
+            raise ValueError(
+                f"unknown placement {placement!r}; choose from {PLACEMENTS}"
+            )
+        if endpoint.row_bytes != geometry.layer_block_nbytes:
+            raise ValueError(
+                f"the endpoint's rows are {endpoint.row_bytes} bytes, the geometry's "
+                f"{geometry.layer_block_nbytes}"
+            )
+        self._endpoint = endpoint
+        self._geometry = geometry
+        self._rpc_timeout_s = rpc_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s or rpc_timeout_s
+        self._placement = placement
+        self._locate_rows = locate_rows  # holder side: where leased keys sit
+        self.rows_per_read = endpoint.slab.numel() // geometry.layer_block_nbytes
+        self._counters = TransportStats()
+        self._registrations_at_start = endpoint.registrations
+        # holder rank -> the holder's endpoint info in use
+        self._peers: dict[int, NixlEndpointInfo] = {}
+        self._peer_locks: dict[int, asyncio.Lock] = {}
+        # One load at a time uses the receive slab, from READ to the end of scatter.
+        self._slab_lock = asyncio.Lock()
+        self._slab_readers = DeviceWorkMark(endpoint.slab.device)
+        self._active: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def create(
+        cls,
+        name: str,
+        geometry: KVGeometry,
+        store_rows: torch.Tensor,
+        *,
+        rpc_timeout_s: float,
+        transfer_timeout_s: float | None = None,
+        placement: str = PLACEMENT_ENGINE,
+        engine_layers: Sequence[torch.Tensor] | None = None,
+        engine_block_axis: int | None = None,
+        slab_bytes: int | None = None,
+        locate_rows: LocateRows | None = None,
+    ) -> NixlDirectTransport:
+        """An endpoint for this actor's memory and a transport over it.
+
+        ``engine_layers`` are registered only for ``engine`` placement;
+        ``locate_rows`` serves the ``source`` holder op."""
+        use_engine = placement == PLACEMENT_ENGINE and engine_layers is not None
+        endpoint = await NixlAgentEndpoint.create(
+            name,
+            row_bytes=geometry.layer_block_nbytes,
+            store_rows=store_rows,
+            slab_bytes=slab_bytes or full_slab_bytes(geometry),
+            engine_layers=engine_layers if use_engine else None,
+            engine_block_axis=engine_block_axis if use_engine else None,
+        )
+        return cls(
+            endpoint,
+            geometry,
+            rpc_timeout_s=rpc_timeout_s,
+            transfer_timeout_s=transfer_timeout_s,
+            placement=placement,
+            locate_rows=locate_rows,
+        )
+
+    @property
+    def endpoint(self) -> NixlAgentEndpoint:
+        return self._endpoint
+
+    @property
+    def placement(self) -> str:
+        return self._placement
+
+    # ---- loader side ----------------------------------------------------------------
+
+    async def load(
+        self,
+        holder: HolderCall,
+        holder_rank: int,
+        lease_id: str,
+        keys: Sequence[BlockHash],
+        scatter: ScatterFn,
+        *,
+        hint: TransportHint | None = None,
+        dst_block_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Bring every layer of ``keys`` from the holder's device tier.
+
+        ``hint`` (from the grant: the holder's epoch and each key's first row)
+        spares the ``source`` round trip to the holder.
+
+        With ``engine`` placement and ``dst_block_ids`` (one engine block per key),
+        the READ lands in the engine blocks and ``scatter`` is not called; otherwise
+        each chunk is read into the receive slab and handed to ``scatter``. Returns
+        or raises once no READ is writing into this side's memory any more; device
+        work that ``scatter`` queued may still run (the caller fences before the
+        engine reads the blocks; the next READ into the slab waits for it).
+        """
+        self._check_open()
+        keys = tuple(keys)
+        if not keys:
+            return
+        task = asyncio.current_task()
+        if task is not None:
+            self._active.add(task)
+        try:
+            if hint is not None:
+                agent_name, generation = hint.shared
+                source = NixlSource(agent_name, generation, tuple(hint.per_key))
+            else:
+                source = await self._rpc(holder("source", lease_id, list(keys)))
+            peer = await self._peer(holder, holder_rank, source)
+            self._check_source(peer, source, keys)
+            engine_map = self._endpoint.engine_map
+            if (
+                self._placement == PLACEMENT_ENGINE
+                and dst_block_ids is not None
+                and engine_map is not None
+            ):
+                await self._load_into_engine(
+                    holder_rank, peer, source, dst_block_ids, engine_map
+                )
+            else:
+                await self._load_through_slab(holder_rank, peer, source, scatter)
+            self._counters.loads += 1
+        finally:
+            if task is not None:
+                self._active.discard(task)
+
+    async def _load_through_slab(
+        self,
+        holder_rank: int,
+        peer: NixlEndpointInfo,
+        source: NixlSource,
+        scatter: ScatterFn,
+    ) -> None:
+        num_layers, row_bytes = (
+            self._geometry.num_layers,
+            self._geometry.layer_block_nbytes,
+        )
+        total = len(source.first_rows) * num_layers
+        assert peer.store is not None
+        for first_row in range(0, total, self.rows_per_read):
+            num_rows = min(self.rows_per_read, total - first_row)
+            async with self._slab_lock:
+                slab = self._endpoint.slab  # a timed-out READ may have replaced it
+                # The last scatter may still be reading the slab on the device: the
+                # READ must not overwrite it before that work is done.
+                self._slab_readers.wait()
+                slab_region = self._endpoint.slab_region
+                plan = plan_slab_read(
+                    source.first_rows,
+                    num_layers,
+                    row_bytes,
+                    peer.store,
+                    slab_region,
+                    first_row,
+                    num_rows,
+                )
+                await self._read(
+                    holder_rank, peer, plan, slab_region.mem_type, DEST_SLAB
+                )
+                try:
+                    scatter(
+                        first_row,
+                        slab[: num_rows * row_bytes].view(num_rows, row_bytes),
+                    )
+                finally:
+                    # scatter may only have queued device work that reads the slab;
+                    # it is waited for before the next READ into the slab, not here
+                    # (the caller fences before the engine uses its blocks).
+                    self._slab_readers.mark()
+            self._count(plan, num_rows * row_bytes)
+
+    async def _load_into_engine(
+        self,
+        holder_rank: int,
+        peer: NixlEndpointInfo,
+        source: NixlSource,
+        dst_block_ids: Sequence[int],
+        engine_map: EngineBlockMap,
+    ) -> None:
+        blocks = [int(b) for b in dst_block_ids]
+        if len(blocks) != len(source.first_rows):
+            raise ValueError(
+                f"{len(blocks)} destination blocks for {len(source.first_rows)} keys"
+            )
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"duplicate destination blocks in {blocks}")
+        bad = [b for b in blocks if not 0 <= b < engine_map.num_blocks]
+        if bad:
+            raise ValueError(
+                f"destination blocks {bad} are out of range for "
+                f"{engine_map.num_blocks} engine blocks"
+            )
+        assert peer.store is not None
+        plan = plan_engine_read(
+            source.first_rows,
+            blocks,
+            self._geometry.num_layers,
+            self._geometry.layer_block_nbytes,
+            peer.store,
+            engine_map,
+        )
+        await self._read(holder_rank, peer, plan, engine_map.mem_type, DEST_ENGINE)
+        self._count(plan, len(blocks) * self._geometry.block_nbytes)
+        self._counters.engine_placed_loads += 1
+
+    async def _read(
+        self,
+        holder_rank: int,
+        peer: NixlEndpointInfo,
+        plan: ReadPlan,
+        local_mem_type: str,
+        destination: str,
+    ) -> None:
+        assert peer.store is not None
+        with self._counted_failures(f"load from rank {holder_rank}"):
+            try:
+                await self._endpoint.read(
+                    peer.agent_name,
+                    plan,
+                    local_mem_type=local_mem_type,
+                    remote_mem_type=peer.store.mem_type,
+                    timeout_s=self._transfer_timeout_s,
+                    destination=destination,
+                )
+            except NixlTransferTimeout:
+                raise
+            except NixlTransferError:
+                # The peer may be gone or have changed: fetch its metadata afresh.
+                if self._peers.get(holder_rank) is peer:
+                    del self._peers[holder_rank]
+                    await self._endpoint.forget_peer(peer.agent_name)
+                raise
+
+    @contextlib.contextmanager
+    def _counted_failures(self, context: str) -> Iterator[None]:
+        """Count a failed or timed-out READ and re-raise it with ``context``."""
+        try:
+            yield
+        except NixlTransferTimeout as exc:
+            self._counters.transfer_timeouts += 1
+            raise NixlTransferTimeout(
+                f"{context}: {exc}", exc.destination_at_risk
+            ) from exc
+        except NixlTransferError as exc:
+            self._counters.transfer_failures += 1
+            raise NixlTransferError(f"{context}: {exc}") from exc
+
+    def _count(self, plan: ReadPlan, useful_bytes: int) -> None:
+        counters = self._counters
+        counters.received_copies += 1
+        counters.received_wire_bytes += plan.nbytes
+        counters.received_useful_bytes += useful_bytes
+        counters.descriptors += plan.descriptors
+
+    async def _peer(
+        self, holder: HolderCall, holder_rank: int, source: NixlSource
+    ) -> NixlEndpointInfo:
+        """The holder's endpoint info for ``source``'s epoch, loaded into our agent."""
+        lock = self._peer_locks.setdefault(holder_rank, asyncio.Lock())
+        async with lock:
+            known = self._peers.get(holder_rank)
+            if known is not None and known.epoch == source.epoch:
+                return known
+            info: NixlEndpointInfo = await self._rpc(holder("endpoint_info"))
+            if info.epoch != source.epoch:
+                raise NixlTransferError(
+                    f"rank {holder_rank} re-registered its device tier during this "
+                    f"load (epoch {info.epoch}, the lease names {source.epoch})"
+                )
+            if info.row_bytes != self._geometry.layer_block_nbytes:
+                raise ValueError(
+                    f"rank {holder_rank} stores {info.row_bytes}-byte rows, this "
+                    f"replica {self._geometry.layer_block_nbytes}-byte rows"
+                )
+            if info.store is None:
+                raise NixlTransferError(f"rank {holder_rank} has no device tier")
+            if known is not None and known.agent_name != info.agent_name:
+                await self._endpoint.forget_peer(known.agent_name)
+            with self._counted_failures(f"rank {holder_rank}"):
+                await self._endpoint.add_peer(
+                    info, check_timeout_s=self._transfer_timeout_s
+                )
+            self._peers[holder_rank] = info
+            self._counters.peer_metadata_loads += 1
+            return info
+
+    def _check_source(
+        self, peer: NixlEndpointInfo, source: NixlSource, keys: Sequence[BlockHash]
+    ) -> None:
+        if len(source.first_rows) != len(keys):
+            raise ValueError(
+                f"the holder located {len(source.first_rows)} of {len(keys)} keys"
+            )
+        num_layers = self._geometry.num_layers
+        limit = peer.num_store_rows
+        bad = [r for r in source.first_rows if r < 0 or r + num_layers > limit]
+        if bad:
+            raise ValueError(
+                f"snapshot rows {bad[:8]} lie outside the holder's {limit} device "
+                "tier rows"
+            )
+
+    # ---- holder side ----------------------------------------------------------------
+
+    def hint(self, first_rows: Sequence[int | None]) -> TransportHint | None:
+        """Our epoch and each key's device-tier row: the loader READs without
+        asking us anything more (unless it has not met this epoch yet)."""
+        return TransportHint(self._endpoint.info.epoch, tuple(first_rows))
+
+    def holder_ops(self) -> Mapping[str, HolderOp]:
+        return {"endpoint_info": self._endpoint_info, "source": self._source}
+
+    async def _endpoint_info(self) -> NixlEndpointInfo:
+        self._check_open()
+        return self._endpoint.info
+
+    async def _source(self, lease_id: str, keys: list[BlockHash]) -> NixlSource:
+        self._check_open()
+        if self._locate_rows is None:
+            raise RuntimeError("this NIXL transport was made without a store to serve")
+        return self._endpoint.source(self._locate_rows(lease_id, keys))
+
+    # ---- reporting and shutdown -----------------------------------------------------
+
+    def stats(self) -> TransportStats:
+        counters = self._counters
+        counters.registrations = self._endpoint.registrations
+        counters.registration_changes = (
+            self._endpoint.registrations - self._registrations_at_start
+        )
+        return replace(counters)
+
+    async def close(self) -> None:
+        """Wait for loads in progress, then close the endpoint (idempotent)."""
+        if self._close_task is None:
+            self._close_task = asyncio.create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        self._closed = True
+        current = asyncio.current_task()
+        pending = [t for t in self._active if t is not current]
+        if pending:
+            # Each READ has a deadline, so these end.
+            await asyncio.wait(pending)
+        await self._endpoint.close(orphan_timeout_s=self._transfer_timeout_s)
+        logger.info("NIXL transport closed: %s", self.stats())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the NIXL transport is closed")
+
+    async def _rpc(self, call: Awaitable[T]) -> T:
+        # xo.wait_for: it times out even when cancelling an actor call cannot reach
+        # an unresponsive peer.
+        return await xo.wait_for(call, self._rpc_timeout_s)
+
+
+async def create(context: TransportContext) -> NixlDirectTransport:
+    """The serving transport: slab placement, the store's rows, no engine blocks.
+
+    Slab placement in serving: a READ that outlives its deadline (a stalled peer
+    over TCP) then lands in a retired slab, never in engine blocks that vLLM has
+    meanwhile handed to a recomputation. Engine placement (no scatter) stays
+    available to the benchmark and to callers that accept it.
+    """
+    return await NixlDirectTransport.create(
+        context.agent_name,
+        context.geometry,
+        context.store_rows,
+        rpc_timeout_s=context.rpc_timeout_s,
+        placement=PLACEMENT_SLAB,
+        locate_rows=context.locate_rows,
+    )
