@@ -6,9 +6,12 @@ path is the same); one test marked ``cuda`` runs the demotion path on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from xinference.model.llm.vllm.xavier.stats import StoreStats
 from xinference.model.llm.vllm.xavier.store import tiered as tiered_snapshot
 from xinference.model.llm.vllm.xavier.store.tiered import (
     StageSlot,
@@ -371,10 +374,8 @@ def test_skip_when_both_tiers_are_full_changes_nothing():
     assert store.begin_stage(key(3), "bfloat16") is None
     assert store.begin_stage(key(4), "bfloat16") is None
     after = store.stats()
-    assert after["skips"] == before["skips"] + 2
-    assert {k: v for k, v in after.items() if k != "skips"} == {
-        k: v for k, v in before.items() if k != "skips"
-    }
+    assert after.skips == before.skips + 2
+    assert dataclasses.replace(after, skips=before.skips) == before
     assert store.lease("again", [key(1), key(2)]) == grants
     assert store.take_dropped() == []
     assert not store.contains(key(3))
@@ -475,22 +476,22 @@ def test_stats_after_a_mixed_run():
     for i in range(1, 5):  # 3 demotes 1; 4 drops 1 and demotes 2
         put(store, i)
     store.lease("s", [key(3), key(2)])
-    assert store.stats() == {
-        "device_hits": 1,
-        "cpu_hits": 1,
-        "demotions": 2,
-        "drops": 1,
-        "skips": 0,
-        "published": 4,
-        "device_snapshots": 2,
-        "cpu_snapshots": 1,
-        "device_bytes": 2 * BLOCK,
-        "cpu_bytes": BLOCK,
-        "device_capacity_blocks": 2,
-        "cpu_capacity_blocks": 1,
-        "staging_snapshots": 0,
-        "active_leases": 1,
-    }
+    assert store.stats() == StoreStats(
+        device_hits=1,
+        cpu_hits=1,
+        demotions=2,
+        drops=1,
+        skips=0,
+        published=4,
+        device_snapshots=2,
+        cpu_snapshots=1,
+        device_bytes=2 * BLOCK,
+        cpu_bytes=BLOCK,
+        device_capacity_blocks=2,
+        cpu_capacity_blocks=1,
+        staging_snapshots=0,
+        active_leases=1,
+    )
 
 
 # ---- bit exactness -------------------------------------------------------------------

@@ -58,6 +58,8 @@ class XoscarSlabTransport:
         async def push(req: PushRequest) -> None:
             await with_deadline(holder("push_rows", req), self._context.rpc_timeout_s)
 
+        if not keys:
+            return
         await self._runtime.load_rows(holder_rank, push, lease_id, keys, scatter)
         self._loads += 1
 
