@@ -27,6 +27,8 @@ from typing import Any
 
 import xoscar as xo
 
+from xinference.model.llm.vllm.xavier.stats import XavierStats
+
 REPO_ROOT = Path(__file__).resolve().parents[5]
 INSTRUMENTED_MODULE = "tests.model.llm.vllm.xavier.connector.instrumented_connector"
 BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
@@ -436,14 +438,14 @@ class XavierCluster:
     def call(self, awaitable: Any, timeout: float = 30.0) -> Any:
         return self.loop.run(awaitable, timeout)
 
-    def stats(self, rank: int) -> dict[str, Any]:
+    def stats(self, rank: int) -> XavierStats:
         return self.call(self.transfer_refs[rank].stats())
 
     def wait_mapped(self, rank: int, timeout: float = 120.0) -> None:
         """Block until replica ``rank``'s engine has mapped its KV caches into its
         transfer actor (the actor then has a store)."""
         deadline = time.monotonic() + timeout
-        while not self.stats(rank)["store"]:
+        while not self.stats(rank).mapped:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {rank} did not map its KV caches")
             time.sleep(0.1)

@@ -59,12 +59,28 @@ def loop() -> Iterator[BackgroundLoop]:
     background.close()
 
 
+class CountingActor:
+    """The transfer actor's ref, counting the mapping calls that reach it."""
+
+    def __init__(self, ref: Any) -> None:
+        self._ref = ref
+        self.map_calls = 0
+
+    async def map_engine_caches(self, *args: Any) -> Any:
+        self.map_calls += 1
+        return await self._ref.map_engine_caches(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ref, name)
+
+
 def make_worker(
     cluster: XavierCluster,
     loop: BackgroundLoop,
     rank: int,
     load_async: bool = False,
     factory: Any = None,
+    counter: list[CountingActor] | None = None,
 ) -> WorkerSide:
     import xoscar as xo
 
@@ -73,7 +89,12 @@ def make_worker(
     address = cluster.start_transfer_actor(rank)
 
     async def actor() -> Any:
-        return await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
+        ref = CountingActor(
+            await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
+        )
+        if counter is not None:
+            counter.append(ref)
+        return ref
 
     settings = WorkerSettings(
         model=MODEL,
@@ -89,7 +110,8 @@ def make_worker(
 
 
 def test_concurrent_mapping_maps_once(cluster, loop):
-    worker = make_worker(cluster, loop, next(_ranks))
+    actors: list[CountingActor] = []
+    worker = make_worker(cluster, loop, next(_ranks), counter=actors)
     worker._kv_caches = engine_cache(0)
 
     async def many() -> list[Any]:
@@ -98,7 +120,7 @@ def test_concurrent_mapping_maps_once(cluster, loop):
         )
 
     identities = loop.run(many(), 60)
-    assert worker.map_calls == 1
+    assert sum(actor.map_calls for actor in actors) == 1
     assert all(identity == identities[0] for identity in identities)
     assert identities[0].model == MODEL
     assert identities[0].geometry.num_layers == LAYERS
@@ -106,7 +128,7 @@ def test_concurrent_mapping_maps_once(cluster, loop):
     with pytest.raises(RuntimeError, match="already"):
         loop.run(
             worker._actor.map_engine_caches(
-                worker._handles, NUM_BLOCKS, MODEL, BS, "cpu"
+                worker._handles, NUM_BLOCKS, MODEL, BS, "packed_kv"
             ),
             30,
         )
@@ -115,6 +137,7 @@ def test_concurrent_mapping_maps_once(cluster, loop):
 def test_failed_mapping_is_retried(cluster, loop):
     rank = next(_ranks)
     attempts = []
+    reached: list[CountingActor] = []
 
     async def flaky() -> Any:
         import xoscar as xo
@@ -125,7 +148,11 @@ def test_failed_mapping_is_retried(cluster, loop):
         if len(attempts) == 1:
             raise ConnectionRefusedError("transfer actor not created yet")
         address = cluster.transfer_addresses[rank]
-        return await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
+        ref = CountingActor(
+            await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
+        )
+        reached.append(ref)
+        return ref
 
     worker = make_worker(cluster, loop, rank, factory=flaky)
     worker._kv_caches = engine_cache(1)
@@ -134,7 +161,8 @@ def test_failed_mapping_is_retried(cluster, loop):
     assert worker.identity is None
     identity = loop.run(worker._ensure_gpu_cache_mapping(), 60)
     assert worker.identity == identity and len(attempts) == 2
-    assert worker.map_calls == 1  # the failed attempt never reached the actor
+    # the failed attempt never reached an actor; the second mapped once
+    assert [actor.map_calls for actor in reached] == [1]
 
 
 def test_background_mapping_retries_until_the_actor_exists(cluster, loop):

@@ -88,7 +88,6 @@ class WorkerSide:
         self._last_map_attempt = float("-inf")
         self._map_failures = 0
         self._closed = False
-        self.map_calls = 0  # mapping RPCs sent (tests check "exactly once")
         # load_id -> load not yet reported finished (async path)
         self._in_flight: dict[str, _InFlightLoad] = {}
         # requests whose load ended (or never started) but are not yet reported
@@ -172,7 +171,6 @@ class WorkerSide:
                     device.export_tensors, self._kv_caches
                 )
             actor = self._actor or await self._actor_factory()
-            self.map_calls += 1
             identity = await actor.map_engine_caches(
                 self._handles,
                 self._settings.num_blocks,
