@@ -41,6 +41,7 @@ LAUNCH_ENGINE=${LAUNCH_ENGINE:---gpu-memory-utilization 0.3 --max-model-len 9216
 MODEL_SHAPE=${MODEL_SHAPE:-intermediate_size=4864, max_position_embeddings=16384}
 TTFT_LENGTHS=${TTFT_LENGTHS:-512 2048 8192}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-}   # e.g. "--warm 40 --groups 4" for a dry run on a CPU
+ONLY_PHASES=${ONLY_PHASES:-}       # e.g. "unique": these phases for every deployment
 mkdir -p "$LOGS"
 if [[ -z ${SKIP_WHEELS:-} ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -83,7 +84,7 @@ stop_server() {
   SERVER_PID=
 }
 deploy() {  # deploy LABEL PHASES [launch options...]
-  local label=$1 phases=$2; shift 2
+  local label=$1 phases=${ONLY_PHASES:-$2}; shift 2
   if (( SECONDS > BUDGET_S - 90 )); then
     echo "skip $label: ${SECONDS}s of ${BUDGET_S}s used" | tee -a "$LOGS/summary.txt"
     return
