@@ -317,9 +317,8 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def report(paths: list[Path]) -> str:
-    runs = {
-        json.loads(p.read_text())["label"]: json.loads(p.read_text()) for p in paths
-    }
+    loaded = [json.loads(p.read_text()) for p in paths]
+    runs = {data["label"]: data for data in loaded}
     out: list[str] = []
     for label, data in runs.items():
         rows = data["phases"].get("ttft", {}).get("rows")

@@ -142,13 +142,20 @@ async def test_the_nixl_transport_moves_exactly_the_payload(pair) -> None:
         assert counters["received_wire_bytes"] > counters["received_useful_bytes"]
 
 
-async def test_every_transport_reports_the_same_counters(pair) -> None:
-    """The metrics read one stats type: no counter may exist under one transport
-    only (a series that vanishes under one transport is a silent gap)."""
-    _, loader, _ = pair
-    assert set(await loader.counters()) == {
-        f.name for f in dataclasses.fields(TransportStats)
-    }
+async def test_every_transport_fills_the_counters_the_metrics_read(pair) -> None:
+    """The metrics read one stats type; a transport that left the load counters at
+    zero would make a series silently flat under it."""
+    holder, loader, holder_address = pair
+    await holder.write_source(0, random_bytes(3 * GEOMETRY.block_nbytes, 4))
+    before = await loader.counters()
+    await loader.load(holder_address, [0, 1, 2])
+    after = await loader.counters()
+    assert set(after) == {f.name for f in dataclasses.fields(TransportStats)}
+    assert after["loads"] - before["loads"] == 1
+    assert after["received_copies"] > before["received_copies"]
+    useful = after["received_useful_bytes"] - before["received_useful_bytes"]
+    assert useful == 3 * GEOMETRY.block_nbytes
+    assert after["received_wire_bytes"] - before["received_wire_bytes"] >= useful
 
 
 async def test_an_empty_load_moves_nothing(pair) -> None:

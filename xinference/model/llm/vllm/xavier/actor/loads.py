@@ -313,17 +313,29 @@ class LoadRunner:
         return scatter
 
     async def _release_on_holder(self, req: LoadRequest) -> None:
-        """Release the load's lease on its holder; a failure is logged, not raised,
-        so that it never hides the load's own outcome."""
-        try:
-            holder = await self._holders(req.holder_address, req.grant.holder_rank)
-            await with_deadline(holder.release(req.grant.lease_id), self._rpc_timeout_s)
-        except Exception as exc:  # the holder may be gone; its lease went with it
-            self._counters.lease_release_failures += 1
-            logger.warning(
-                "rank %d could not release lease %s on rank %d: %r",
-                self._rank,
-                req.grant.lease_id,
-                req.grant.holder_rank,
-                exc,
-            )
+        await release_lease(
+            self._rank, self._holders, req, self._rpc_timeout_s, self._counters
+        )
+
+
+async def release_lease(
+    rank: int,
+    holders: HolderLinks,
+    req: LoadRequest,
+    rpc_timeout_s: float,
+    counters: ActorCounters,
+) -> None:
+    """Release a load's lease on its holder; a failure is counted and logged, not
+    raised, so that it never hides the load's own outcome."""
+    try:
+        holder = await holders(req.holder_address, req.grant.holder_rank)
+        await with_deadline(holder.release(req.grant.lease_id), rpc_timeout_s)
+    except Exception as exc:  # the holder may be gone; its lease went with it
+        counters.lease_release_failures += 1
+        logger.warning(
+            "rank %d could not release lease %s on rank %d: %r",
+            rank,
+            req.grant.lease_id,
+            req.grant.holder_rank,
+            exc,
+        )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -35,11 +35,11 @@ from ..hashing import BlockHash
 from ..stats import ActorCounters, EngineInfo, LatencyRecorder, XavierStats
 from ..store.tiered import TieredKVSnapshotStore
 from ..transports import create_device_tier_transport
-from ..transports.base import DeviceTierTransport, TransportContext
+from ..transports.base import DeviceTierTransport, HolderOp, TransportContext
 from ..transports.cpu_tier import CpuRowsReply, gather_cpu_rows
 from ..wire import LeaseGrant, LoadRequest, LoadResult, ReplicaIdentity, StageItem
 from .leases import LeaseBook
-from .loads import HolderLink, LoadRunner
+from .loads import HolderLink, LoadRunner, release_lease
 from .staging import stage_snapshots
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class _Mapped:
     transport: DeviceTierTransport
     leases: LeaseBook
     loads: LoadRunner
+    holder_ops: Mapping[str, HolderOp]  # the transport's, asked once
 
 
 class XavierTransferActor(xo.StatelessActor):
@@ -227,6 +228,7 @@ class XavierTransferActor(xo.StatelessActor):
                 counters=self._counters,
                 latency=self._load_latency,
             ),
+            transport.holder_ops(),
         )
         logger.info(
             "rank %d mapped %d KV cache layers on %s (%s, scatter path %s); store %s",
@@ -300,8 +302,7 @@ class XavierTransferActor(xo.StatelessActor):
     async def transport_call(self, op: str, *args: Any) -> Any:
         """Peer-facing: one of our device-tier transport's holder ops."""
         self._check_open()
-        transport = self._require_mapped().transport
-        handler = transport.holder_ops().get(op)
+        handler = self._require_mapped().holder_ops.get(op)
         if handler is None:
             raise ValueError(
                 f"replica {self._config.rank}'s {self._config.transport} transport "
@@ -334,7 +335,14 @@ class XavierTransferActor(xo.StatelessActor):
             self._check_open()
             mapped = self._require_mapped()
         except BaseException:
-            await self._release_unstarted(req)
+            # Refused before a runner existed: give the lease back all the same.
+            await release_lease(
+                self._config.rank,
+                self._holder,
+                req,
+                self._config.rpc_timeout_s,
+                self._counters,
+            )
             raise
         await mapped.loads.start(req)
 
@@ -363,20 +371,6 @@ class XavierTransferActor(xo.StatelessActor):
         uid = transfer_actor_uid(self._config.model_uid, rank)
         ref: HolderLink = await self._deadline(self._holder_refs.get(address, uid))
         return ref
-
-    async def _release_unstarted(self, req: LoadRequest) -> None:
-        """Give back the lease of a load refused before a runner existed."""
-        try:
-            holder = await self._holder(req.holder_address, req.grant.holder_rank)
-            await self._deadline(holder.release(req.grant.lease_id))
-        except Exception as exc:  # the holder may be gone; its lease went with it
-            self._counters.lease_release_failures += 1
-            logger.warning(
-                "rank %d could not release lease %s: %r",
-                self._config.rank,
-                req.grant.lease_id,
-                exc,
-            )
 
     # ---- reporting and shutdown -----------------------------------------------
 

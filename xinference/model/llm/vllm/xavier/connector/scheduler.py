@@ -65,7 +65,6 @@ class _RequestState:
     num_prompt_tokens: int
     staged_upto: int = 0  # prompt blocks [0, staged_upto) need no staging here
     reservation: _Reservation | None = None
-    loaded_blocks: int = 0
     holder_rank: int | None = None
     loaded_into: tuple[int, ...] = ()  # the engine blocks its load writes
     # group 0's block table, position -> block id, rebuilt from each step's
@@ -143,10 +142,6 @@ class SchedulerSide:
     @property
     def identity(self) -> ReplicaIdentity | None:
         return self._identity
-
-    def tracks(self, req_id: str) -> bool:
-        """Whether ``req_id`` went through a lookup here (only those are staged)."""
-        return req_id in self._requests
 
     def set_identity(self, identity: ReplicaIdentity) -> None:
         """This replica's identity, known once the worker mapped its caches."""
@@ -338,7 +333,6 @@ class SchedulerSide:
         # From here on the lease belongs to the load: the transfer actor releases
         # it when the load ends (or is cancelled), never while writes are running.
         self._new_loads.append(RequestLoad(req_id, load))
-        state.loaded_blocks = num_blocks
         state.loaded_into = load.dst_block_ids
         state.holder_rank = grant.holder_rank
         state.staged_upto = max(state.staged_upto, first + num_blocks)
@@ -372,9 +366,8 @@ class SchedulerSide:
         if not block_ids:
             return
         for state in self._requests.values():
-            if state.loaded_blocks and block_ids.intersection(state.loaded_into):
+            if block_ids.intersection(state.loaded_into):
                 self.stats["loads_failed"] += 1
-                state.loaded_blocks = 0
                 state.loaded_into = ()
 
     def fail_pending_loads(self) -> StepMetadata:
@@ -437,10 +430,11 @@ class SchedulerSide:
         if state is None:
             return None
         self._drop_reservation(state)
-        if not state.loaded_blocks:
+        if not state.loaded_into:
             return None
         return {
-            "xavier_external_tokens": state.loaded_blocks * self._settings.block_size,
+            "xavier_external_tokens": len(state.loaded_into)
+            * self._settings.block_size,
             "xavier_holder_rank": state.holder_rank,
         }
 

@@ -199,16 +199,14 @@ class WorkerSide:
     def start_load_kv(self, step: StepMetadata) -> None:
         """Start this step's loads; a synchronous load is finished on return."""
         self._try_mapping()
+        if self._identity is None or self._actor is None:
+            self.fail_step_loads(step)  # nothing started: every load fails
+            return
         loads = [item for item in step.loads if item.load is not None]
         for item in step.loads:
             if item.load is None:  # the scheduler could not plan it
                 self._fail(item.req_id, item.failed_block_ids)
         if not loads:
-            return
-        if self._identity is None or self._actor is None:
-            for item in loads:
-                assert item.load is not None
-                self._fail(item.req_id, item.load.dst_block_ids)
             return
         for item in loads:
             assert item.load is not None
