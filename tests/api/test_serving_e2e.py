@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,11 @@ class Run:
 
 def serve_workload(server: LocalServer, uid: str, run: Run, *, xavier: bool) -> None:
     with httpx.Client(base_url=server.endpoint, timeout=120) as http:
-        for prompt in WORKLOAD.prompts():
+        for index, prompt in enumerate(WORKLOAD.prompts()):
+            if xavier and index % WORKLOAD.per_group:
+                # The group's first request returned; its replica publishes the
+                # prefix in the background, so wait until peers can find it.
+                wait_published(http, uid, WORKLOAD.prompts()[index - 1])
             response = http.post(
                 "/v1/completions",
                 json=dict(
@@ -131,6 +136,17 @@ def serve_workload(server: LocalServer, uid: str, run: Run, *, xavier: bool) -> 
             for sample in family.samples:
                 labels = tuple(sorted(sample.labels.items()))
                 run.metrics[(sample.name, labels)] = sample.value
+
+
+def wait_published(http: httpx.Client, uid: str, prompt: str) -> None:
+    deadline = time.monotonic() + 30.0
+    while True:
+        response = http.post(f"/v1/models/{uid}/prefix", json={"prompt": prompt})
+        assert response.status_code == 200, response.text
+        if response.json()["prefix_blocks"] >= PREFIX_BLOCKS:
+            return
+        assert time.monotonic() < deadline, f"prefix not published: {response.json()}"
+        time.sleep(0.05)
 
 
 def metric(run: Run, name: str, rank: int, **labels: str) -> float:

@@ -54,6 +54,7 @@ from xinference.model.llm.vllm.xavier.wire import (
     LoadRequest,
     LoadResult,
     ReplicaIdentity,
+    StageItem,
 )
 
 MODEL = "xavier-test-model"
@@ -246,6 +247,14 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+async def stage_and_register(actor: Any, items: Sequence[StageItem]) -> int:
+    """Stage on ``actor`` and wait until the tracker knows the published keys (the
+    actor tells it in the background), as a test that asks the tracker next needs."""
+    staged: int = await actor.stage(list(items))
+    await actor.wait_tracker_updates()
+    return staged
 
 
 async def reserve_and_start(

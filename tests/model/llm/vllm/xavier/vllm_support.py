@@ -450,6 +450,24 @@ class XavierCluster:
                 raise TimeoutError(f"replica {rank} did not map its KV caches")
             time.sleep(0.1)
 
+    def wait_published(
+        self, keys: Sequence[bytes], for_rank: int, timeout: float = 30.0
+    ) -> None:
+        """Block until the tracker tells replica ``for_rank`` that a peer holds every
+        one of ``keys``: replicas publish what a request computed in the background,
+        after the request has returned."""
+        deadline = time.monotonic() + timeout
+        while True:
+            hit = self.call(self.tracker.query_prefix(for_rank, list(keys)))
+            if hit is not None and hit.num_blocks == len(keys):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(keys)} blocks were not published for replica {for_rank} "
+                    f"within {timeout} s (found {0 if hit is None else hit.num_blocks})"
+                )
+            time.sleep(0.02)
+
     def close(self) -> None:
         for ref in self.transfer_refs.values():
             try:

@@ -10,6 +10,7 @@ to the runner's scatter in chunks, the way the real ones do.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,10 @@ import torch
 
 from xinference.model.llm.vllm.xavier.actor.leases import LeaseBook
 from xinference.model.llm.vllm.xavier.actor.loads import LoadRunner
-from xinference.model.llm.vllm.xavier.actor.staging import stage_snapshots
+from xinference.model.llm.vllm.xavier.actor.staging import (
+    copy_blocks_into_store,
+    stage_snapshots,
+)
 from xinference.model.llm.vllm.xavier.engine.layout import PACKED_KV_LAYOUT
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.stats import (
@@ -33,7 +37,6 @@ from xinference.model.llm.vllm.xavier.wire import (
     DEVICE_TIER,
     LeaseGrant,
     LoadRequest,
-    StageItem,
     TransportHint,
 )
 
@@ -135,9 +138,10 @@ async def staged_holder(
     engine.fill_random(range(n), seed=salt)
     holder = Holder(engine, device_slots)
     published = await stage_snapshots(
-        engine.cache,
         holder.store,
-        [StageItem(k, b) for b, k in enumerate(keys(n, salt))],
+        {k: b for b, k in enumerate(keys(n, salt))},
+        engine.cache.layout.dtype,
+        functools.partial(copy_blocks_into_store, engine.cache, holder.store),
         holder.counters,
     )
     assert published == keys(n, salt)

@@ -40,6 +40,7 @@ from .._support import (
     load_blocks,
     new_id,
     reserve_and_start,
+    stage_and_register,
 )
 
 __all__ = ["cluster"]  # the fixture, imported for pytest
@@ -109,7 +110,10 @@ async def test_all_bf16_bit_patterns_survive_a_load_from_a_peer_process(
     # step demotes the previous one when the device tier holds just four.
     for i in range(0, n, 4):
         assert (
-            await holder.stage(stage_items(keys[i : i + 4], src_blocks[i : i + 4])) == 4
+            await stage_and_register(
+                holder, stage_items(keys[i : i + 4], src_blocks[i : i + 4])
+            )
+            == 4
         )
     assert await cluster.tracker.num_blocks(0) == n
 
@@ -166,7 +170,9 @@ async def test_gpu_layouts_load_bit_exact_through_both_tiers(
     src_blocks = source.fill_blocks(range(5, 5 + n), patterns)
     keys = prompt_keys(n, salt=11)
     for i in range(0, n, 4):
-        staged = await holder.stage(stage_items(keys[i : i + 4], src_blocks[i : i + 4]))
+        staged = await stage_and_register(
+            holder, stage_items(keys[i : i + 4], src_blocks[i : i + 4])
+        )
         assert staged == 4
     assert (await holder.stats()).store.demotions == n - 4
 
@@ -191,8 +197,8 @@ async def test_two_replicas_load_from_each_other_at_the_same_time(cluster, devic
     keys_a, keys_b = prompt_keys(40, salt=1), prompt_keys(40, salt=2)
     a.fill_random(range(40), seed=1)
     b.fill_random(range(40), seed=2)
-    assert await ra.stage(stage_items(keys_a, list(range(40)))) == 40
-    assert await rb.stage(stage_items(keys_b, list(range(40)))) == 40
+    assert await stage_and_register(ra, stage_items(keys_a, list(range(40)))) == 40
+    assert await stage_and_register(rb, stage_items(keys_b, list(range(40)))) == 40
 
     (_, into_b), (_, into_a) = await asyncio.wait_for(
         asyncio.gather(
@@ -231,7 +237,7 @@ async def test_cancel_mid_load_keeps_blocks_and_lease_until_writes_finish(cluste
     n = 1000
     keys = prompt_keys(n, salt=3)
     source.fill_random(range(n), seed=3)
-    assert await holder.stage(stage_items(keys, list(range(n)))) == n
+    assert await stage_and_register(holder, stage_items(keys, list(range(n)))) == n
     dst = list(range(n))
     _, load_id = await reserve_and_start(loader, holder, keys, dst, target.identity())
     await asyncio.sleep(0.05)
@@ -266,7 +272,7 @@ async def test_close_while_loading_drains_the_load_then_refuses_work(cluster):
     n = 600
     keys = prompt_keys(n, salt=4)
     source.fill_random(range(n), seed=4)
-    assert await holder.stage(stage_items(keys, list(range(n)))) == n
+    assert await stage_and_register(holder, stage_items(keys, list(range(n)))) == n
     _, load_id = await reserve_and_start(
         loader, holder, keys, list(range(n)), target.identity()
     )
@@ -294,7 +300,7 @@ async def test_bad_inputs_give_clear_errors_and_leave_the_store_consistent(clust
     (source, target), holder, loader = await holder_and_loader(cluster, 1 << 20)
     keys = prompt_keys(4, salt=5)
     source.fill_random(range(4), seed=5)
-    assert await holder.stage(stage_items(keys, list(range(4)))) == 4
+    assert await stage_and_register(holder, stage_items(keys, list(range(4)))) == 4
     me = target.identity()
 
     def other_geometry(**changes):
@@ -378,16 +384,18 @@ async def test_a_failing_stage_copy_publishes_nothing(cluster):
     keys = prompt_keys(3, salt=6)
     source.fill_random(range(2), seed=6)
     with pytest.raises(IndexError, match="block id 64 is out of range"):
-        await holder.stage(stage_items(keys, [0, 1, 64]))
+        await stage_and_register(holder, stage_items(keys, [0, 1, 64]))
     store = (await holder.stats()).store
     assert store.published == 0 and store.staging_snapshots == 0
     assert await cluster.tracker.num_blocks(0) == 0
     grant = await holder.reserve(keys, new_id("lease"), source.identity())
     assert grant.keys == ()  # a miss
     # The same keys stage fine once the input is right.
-    assert await holder.stage(stage_items(keys, [0, 1, 2])) == 3
+    assert await stage_and_register(holder, stage_items(keys, [0, 1, 2])) == 3
     assert await cluster.tracker.num_blocks(0) == 3
-    assert await holder.stage(stage_items(keys, [0, 1, 2])) == 0  # already present
+    assert (
+        await stage_and_register(holder, stage_items(keys, [0, 1, 2])) == 0
+    )  # already present
 
 
 async def test_a_lease_its_loader_abandoned_expires(cluster):
@@ -400,7 +408,7 @@ async def test_a_lease_its_loader_abandoned_expires(cluster):
     )
     keys = prompt_keys(2, salt=8)
     engine.fill_random(range(2), seed=8)
-    assert await holder.stage(stage_items(keys, [0, 1])) == 2
+    assert await stage_and_register(holder, stage_items(keys, [0, 1])) == 2
     abandoned = await holder.reserve(keys, new_id("lease"), engine.identity())
     assert len(abandoned.keys) == 2
     assert (await holder.stats()).store.active_leases == 1
@@ -418,8 +426,8 @@ async def test_dropped_snapshots_are_unregistered_from_the_tracker(cluster):
     holder = await cluster.add_replica(0, engine, None, cpu_capacity_blocks=4)
     keys = prompt_keys(6, salt=7)
     engine.fill_random(range(6), seed=7)
-    assert await holder.stage(stage_items(keys[:4], [0, 1, 2, 3])) == 4
-    assert await holder.stage(stage_items(keys[4:], [4, 5])) == 2
+    assert await stage_and_register(holder, stage_items(keys[:4], [0, 1, 2, 3])) == 4
+    assert await stage_and_register(holder, stage_items(keys[4:], [4, 5])) == 2
     assert await cluster.tracker.num_blocks(0) == 4
     hit = await cluster.tracker.query_prefix(1, keys[2:])
     assert hit is not None and hit.num_blocks == 4
@@ -430,7 +438,7 @@ async def test_engine_caches_are_mapped_exactly_once_and_must_match(cluster):
     engine = SyntheticEngine(dataclasses.replace(SPEC, layout=KV_FIRST_LAYOUT))
     actor = await cluster.add_replica(0, engine, None, 8, map_caches=False)
     with pytest.raises(RuntimeError, match="not mapped its engine KV caches"):
-        await actor.stage(stage_items(prompt_keys(1), [0]))
+        await stage_and_register(actor, stage_items(prompt_keys(1), [0]))
     with pytest.raises(RuntimeError, match="not mapped its engine KV caches"):
         await actor.reserve(prompt_keys(1), new_id("lease"), engine.identity())
     nb, bs = SPEC.num_blocks, SPEC.block_size
@@ -448,7 +456,9 @@ async def test_engine_caches_are_mapped_exactly_once_and_must_match(cluster):
         await actor.map_engine_caches(engine.handles, nb, MODEL, bs)
     # The actor reads through the mapping from this process's tensors.
     engine.fill_random([5], seed=8)
-    assert await actor.stage(stage_items(prompt_keys(1, salt=8), [5])) == 1
+    assert (
+        await stage_and_register(actor, stage_items(prompt_keys(1, salt=8), [5])) == 1
+    )
 
 
 def test_config_is_validated_at_the_edge():

@@ -208,6 +208,19 @@ def serve(deployment: Deployment, rank: int, prompt: list[int]) -> Completion:
     return completion
 
 
+def serve_and_publish(
+    deployment: Deployment, rank: int, prompt: list[int]
+) -> Completion:
+    """Serve ``prompt`` on ``rank`` and wait until the other replica can find its
+    full blocks (Xavier publishes them in the background)."""
+    completion = serve(deployment, rank, prompt)
+    assert deployment.cluster is not None
+    deployment.cluster.wait_published(
+        hash_full_blocks(prompt, BLOCK_SIZE, NAMESPACE), for_rank=1 - rank
+    )
+    return completion
+
+
 def shared_full_blocks(a: list[int], b: list[int]) -> int:
     common = 0
     for x, y in zip(a, b, strict=False):
@@ -220,7 +233,7 @@ def shared_full_blocks(a: list[int], b: list[int]) -> int:
 def test_remote_hit_supplies_the_shared_prefix_and_matches_recompute(deployment):
     """A serves a prompt; B serves another with the same 6-block prefix: B loads
     all 6 blocks from A (asynchronously) and generates what it would compute."""
-    a = serve(deployment, 0, PROMPT_A)
+    a = serve_and_publish(deployment, 0, PROMPT_A)
     assert a.token_ids == deployment.expected(PROMPT_A)
     assert xavier_external_tokens(a) == 0
 
@@ -237,7 +250,7 @@ def test_remote_hit_supplies_the_shared_prefix_and_matches_recompute(deployment)
 
 def test_synchronous_load_the_other_way_matches_recompute(deployment):
     """B holds, A loads: the synchronous path (load before the forward)."""
-    serve(deployment, 1, PROMPT_R_B)
+    serve_and_publish(deployment, 1, PROMPT_R_B)
     a = serve(deployment, 0, PROMPT_R_A)
     assert xavier_external_tokens(a) == 4 * BLOCK_SIZE
     assert (a.kv_transfer_params or {})["xavier_holder_rank"] == 1
@@ -250,7 +263,7 @@ def test_corrupted_transfer_changes_the_output(deployment):
     listed = [key.hex() for key in lookup_keys(PROMPT_C_B)]
     deployment.corrupt_file.write_text("\n".join(listed) + "\n")
     try:
-        serve(deployment, 0, PROMPT_C_A)
+        serve_and_publish(deployment, 0, PROMPT_C_A)
     finally:
         deployment.corrupt_file.unlink()
     b = serve(deployment, 1, PROMPT_C_B)
@@ -265,7 +278,9 @@ def test_sixteen_concurrent_requests_over_both_replicas(deployment):
     engines = deployment.engines
     for rank, seeds in SEEDS.items():
         for seed in seeds:
-            assert serve(deployment, rank, seed).token_ids == deployment.expected(seed)
+            assert serve_and_publish(
+                deployment, rank, seed
+            ).token_ids == deployment.expected(seed)
     batches = {
         0: [p for i, p in enumerate(CONCURRENT) if i % 4 in (0, 1)],
         1: [p for i, p in enumerate(CONCURRENT) if i % 4 in (2, 3)],
@@ -358,7 +373,7 @@ def test_a_fault_on_the_load_path_is_contained_and_recomputed(
     deployment, method, holder, loader
 ):
     holder_prompt, loader_prompt = FAULT_PAIRS[method]
-    serve(deployment, holder, holder_prompt)
+    serve_and_publish(deployment, holder, holder_prompt)
     before = fault_count(deployment, loader)
     with deployment.faults(loader, method):
         completion = serve(deployment, loader, loader_prompt)
@@ -384,7 +399,7 @@ def test_a_fault_while_staging_costs_the_peer_a_miss_only(deployment):
 
 def test_remote_hits_work_again_once_the_faults_stop(deployment):
     holder_prompt, loader_prompt = FAULT_PAIRS["after"]
-    serve(deployment, 0, holder_prompt)
+    serve_and_publish(deployment, 0, holder_prompt)
     b = serve(deployment, 1, loader_prompt)
     assert xavier_external_tokens(b) == 4 * BLOCK_SIZE
     assert b.token_ids == deployment.expected(loader_prompt)

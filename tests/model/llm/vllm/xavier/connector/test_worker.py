@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -34,6 +34,10 @@ LAYERS, HEADS, BS, HEAD = 2, 2, 32, 32
 NUM_BLOCKS = 24
 MODEL = "worker-side-test"
 _ranks = itertools.count(10)  # fresh transfer actors per test: each maps once
+
+
+# One block of every layer: the unit of the staging ring and the store.
+SNAPSHOT_NBYTES = LAYERS * HEADS * BS * 2 * HEAD * 2
 
 
 def engine_cache(seed: int) -> list[torch.Tensor]:
@@ -66,9 +70,9 @@ class CountingActor:
         self._ref = ref
         self.map_calls = 0
 
-    async def map_engine_caches(self, *args: Any) -> Any:
+    async def map_engine_caches(self, *args: Any, **kwargs: Any) -> Any:
         self.map_calls += 1
-        return await self._ref.map_engine_caches(*args)
+        return await self._ref.map_engine_caches(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ref, name)
@@ -81,6 +85,7 @@ def make_worker(
     load_async: bool = False,
     factory: Any = None,
     counter: list[CountingActor] | None = None,
+    staging_ring_blocks: int = 64,
 ) -> WorkerSide:
     import xoscar as xo
 
@@ -105,6 +110,7 @@ def make_worker(
         load_timeout_s=15.0,
         layout_hint="packed_kv",
         map_retry_s=0.1,
+        staging_ring_bytes=staging_ring_blocks * SNAPSHOT_NBYTES,
     )
     return WorkerSide(settings, loop, factory or actor)
 
@@ -202,9 +208,21 @@ def test_mapping_after_close_raises(cluster, loop):
 class Pair:
     """A holder worker and a loader worker, both mapped."""
 
-    def __init__(self, cluster: XavierCluster, loop: BackgroundLoop, load_async: bool):
+    def __init__(
+        self,
+        cluster: XavierCluster,
+        loop: BackgroundLoop,
+        load_async: bool,
+        staging_ring_blocks: int = 64,
+    ):
         self.holder_rank, self.loader_rank = next(_ranks), next(_ranks)
-        self.holder = make_worker(cluster, loop, self.holder_rank, load_async)
+        self.holder = make_worker(
+            cluster,
+            loop,
+            self.holder_rank,
+            load_async,
+            staging_ring_blocks=staging_ring_blocks,
+        )
         self.loader = make_worker(cluster, loop, self.loader_rank, load_async)
         self.holder_cache = engine_cache(11)
         self.loader_cache = engine_cache(12)
@@ -215,12 +233,23 @@ class Pair:
         self.cluster = cluster
         self.load_async = load_async
 
-    def stage(self, block_ids: list[int]) -> list[bytes]:
+    def stage(
+        self, block_ids: list[int], then: Callable[[], None] | None = None
+    ) -> list[bytes]:
+        """The holder stages ``block_ids`` after a forward; ``then`` runs right
+        after ``wait_for_save`` returns, as the engine's next step would."""
         keys = hash_full_blocks(list(range(BS * len(block_ids))), BS, f"ns{block_ids}")
         step = StepMetadata(
             stage=tuple(StageItem(k, b) for k, b in zip(keys, block_ids, strict=True))
         )
         self.holder.wait_for_save(step)
+        if then is not None:
+            then()
+        # Staging runs in the background: wait for the copy, then for the tracker.
+        self.holder.wait_for_stagings()
+        self.cluster.call(
+            self.cluster.transfer_refs[self.holder_rank].wait_tracker_updates()
+        )
         return keys
 
     def reserve(self, keys: list[bytes], lease_id: str) -> Any:
@@ -266,6 +295,37 @@ def test_staged_blocks_load_synchronously_into_the_peer(cluster, loop):
     assert_same_blocks(pair, [3, 5], [7, 8])
     assert pair.loader.get_block_ids_with_load_errors() == set()
     assert pair.loader.get_finished(set()) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "ring_blocks", [0, 2, 64], ids=["no-ring", "tiny-ring", "ring"]
+)
+def test_blocks_reused_right_after_the_step_are_published_as_they_were(
+    cluster, loop, ring_blocks
+):
+    """The engine writes the staged blocks again as soon as wait_for_save returns
+    (a finished request's blocks zeroed or reused): the snapshots still hold what
+    the forward computed. Five blocks through a ring of two make the worker wait
+    for the actor to free slots; without a ring, wait_for_save waits for the copy."""
+    pair = Pair(cluster, loop, load_async=False, staging_ring_blocks=ring_blocks)
+    staged = [3, 5, 17, 18, 20]
+    computed = {b: block_bytes(pair.holder_cache, b) for b in staged}
+
+    def reuse() -> None:
+        for layer in pair.holder_cache:
+            layer[staged] = 0
+
+    keys = pair.stage(staged, then=reuse)
+    grant = pair.reserve(keys, f"lease-reused-{ring_blocks}")
+    assert grant.keys == tuple(keys)
+    dst = [7, 8, 9, 10, 11]
+    pair.loader.start_load_kv(pair.load_step(f"r-reused-{ring_blocks}", grant, dst))
+    assert pair.loader.get_block_ids_with_load_errors() == set()
+    for s, d in zip(staged, dst, strict=True):
+        for want, got in zip(
+            computed[s], block_bytes(pair.loader_cache, d), strict=True
+        ):
+            assert torch.equal(want, got)
 
 
 def test_async_load_is_reported_finished(cluster, loop):

@@ -406,6 +406,44 @@ def test_failed_demotion_copy_leaves_the_snapshot_whole(monkeypatch):
     assert torch.equal(read(store, 1)[1], payload(1))
 
 
+def test_a_batch_copies_its_demotions_together_and_undoes_them_on_a_fault(
+    monkeypatch,
+):
+    """Staging three snapshots into a full two-slot device tier demotes both
+    residents in one copy (and drops the CPU tier's oldest to make room). When that
+    copy faults, the batch is undone: both residents are whole on the device again,
+    no slot stays reserved; the CPU snapshot dropped for room stays dropped."""
+    store = make_store(device_blocks=2, cpu_blocks=2)
+    for i in (1, 2, 3, 4):
+        put(store, i)  # 1 and 2 demoted to the CPU tier, 3 and 4 on the device
+    assert [tier_of(store, i) for i in (1, 2, 3, 4)] == [CPU_TIER] * 2 + [
+        DEVICE_TIER
+    ] * 2
+    store.take_dropped()
+
+    def broken_fence(device):
+        raise RuntimeError("injected copy fault")
+
+    monkeypatch.setattr(tiered_snapshot, "fence", broken_fence)
+    with pytest.raises(RuntimeError, match="injected copy fault"):
+        store.begin_stage_batch([key(5), key(6)], "bfloat16")
+    assert [tier_of(store, i) for i in (3, 4)] == [DEVICE_TIER] * 2
+    for i in (3, 4):
+        assert torch.equal(read(store, i)[1], payload(i))
+    assert store.take_dropped() == [key(1), key(2)]  # made room in the CPU tier
+    stats = store.stats()
+    assert (stats.demotions, stats.staging_snapshots) == (2, 0)
+
+    monkeypatch.undo()
+    slots = store.begin_stage_batch([key(5), key(6), key(3)], "bfloat16")
+    assert [slot.key for slot in slots] == [key(5), key(6)]  # 3 is held already
+    assert {slot.tier for slot in slots} == {DEVICE_TIER}
+    for i in (3, 4):
+        tier, data = read(store, i)
+        assert tier == CPU_TIER and torch.equal(data, payload(i))
+    assert store.stats().demotions == 4
+
+
 # ---- leases --------------------------------------------------------------------------
 
 

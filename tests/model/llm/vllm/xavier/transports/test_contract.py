@@ -45,6 +45,7 @@ from .._support import (
     load_blocks,
     new_id,
     reserve_and_start,
+    stage_and_register,
 )
 from .peers import PeerSpec, transport_pair
 
@@ -244,7 +245,9 @@ async def test_the_actor_loads_device_tier_blocks_exactly(cluster, transport) ->
     blocks = source.fill_blocks(range(2, 2 + n), patterns)
     keys = prompt_keys(n, salt=1)
     assert (
-        await holder.stage([StageItem(k, b) for k, b in zip(keys, blocks, strict=True)])
+        await stage_and_register(
+            holder, [StageItem(k, b) for k, b in zip(keys, blocks, strict=True)]
+        )
         == n
     )
     dst_blocks = list(range(63, 63 - n, -1))
@@ -266,7 +269,7 @@ async def test_the_actor_refuses_a_logical_dtype_mismatch(cluster, transport) ->
     loader = await replica(cluster, 1, target, transport)
     keys = prompt_keys(2, salt=2)
     source.fill_random([4, 5], seed=3)
-    await holder.stage([StageItem(keys[0], 4), StageItem(keys[1], 5)])
+    await stage_and_register(holder, [StageItem(keys[0], 4), StageItem(keys[1], 5)])
     lease_id = new_id("lease")
     grant = await holder.reserve(keys, lease_id, target.identity())
     wrong = dataclasses.replace(grant, logical_dtypes=("float16",) * len(grant.keys))

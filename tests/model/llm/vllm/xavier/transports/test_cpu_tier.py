@@ -19,7 +19,14 @@ from xinference.model.llm.vllm.xavier.transports.xoscar.gpu_transfer import (
 )
 from xinference.model.llm.vllm.xavier.wire import KVGeometry, StageItem
 
-from .._support import EngineSpec, SyntheticEngine, all_bf16_patterns, cluster, new_id
+from .._support import (
+    EngineSpec,
+    SyntheticEngine,
+    all_bf16_patterns,
+    cluster,
+    new_id,
+    stage_and_register,
+)
 
 __all__ = ["cluster"]  # the fixture, imported for pytest
 
@@ -93,7 +100,9 @@ async def test_batched_reads_from_a_holder_in_another_process_are_bit_exact(clus
     blocks = engine.fill_blocks(range(n), patterns)
     keys = hash_full_blocks(list(range(n * 16)), 16, "cpu-read")
     assert (
-        await holder.stage([StageItem(k, b) for k, b in zip(keys, blocks, strict=True)])
+        await stage_and_register(
+            holder, [StageItem(k, b) for k, b in zip(keys, blocks, strict=True)]
+        )
         == n
     )
     lease_id = new_id("lease")

@@ -1,8 +1,10 @@
-"""Snapshot computed engine blocks into the store: copy every layer, then publish.
+"""Snapshot computed blocks into the store: copy every layer, then publish.
 
-A snapshot is never visible before all its layers are in the store: slots are
-reserved (invisible), the copy runs in a worker thread and is fenced, and only then
-are the keys published. Nothing is published unless every staged snapshot was
+The blocks come from the engine's KV cache or from the worker's staging ring
+(``connector.staging_ring``); ``stage_snapshots`` does not care which, it is handed
+the copy. A snapshot is never visible before all its layers are in the store: slots
+are reserved (invisible), the copy runs in a worker thread and is fenced, and only
+then are the keys published. Nothing is published unless every staged snapshot was
 copied: on failure every staged key is rolled back and the error re-raised. Keys
 already present, or skipped by a full store, are not staged. No xoscar here: the
 actor registers the published keys with the tracker.
@@ -11,43 +13,44 @@ actor registers the published keys with the tracker.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ..aio import finish_even_if_cancelled
 from ..engine.blocks import BlockMajorCache
 from ..engine.device import fence
-from ..engine.layout import wide_view
+from ..engine.layout import copy_rows, slot_rows_index
 from ..hashing import BlockHash
 from ..stats import ActorCounters
 from ..store.tiered import StageSlot, TieredKVSnapshotStore
-from ..wire import CPU_TIER, DEVICE_TIER, StageItem
+from ..wire import CPU_TIER, DEVICE_TIER
+
+# Copies (store slot, source index) pairs into the store and fences; blocking.
+SnapshotCopy = Callable[[Sequence[tuple[StageSlot, int]]], None]
 
 
 async def stage_snapshots(
-    cache: BlockMajorCache,
     store: TieredKVSnapshotStore,
-    items: Sequence[StageItem],
+    sources: Mapping[BlockHash, int],
+    logical_dtype: str,
+    copy: SnapshotCopy,
     counters: ActorCounters,
 ) -> list[BlockHash]:
-    """Snapshot ``items``' engine blocks under their keys; returns the keys published.
+    """Snapshot the blocks at ``sources`` (key -> source index, in order) under
+    their keys with ``copy``; returns the keys published.
 
-    The caller must have completed the engine's writes to these blocks first (on
-    CUDA: synchronised the stream that computed them), and must not let them be
-    reused before this returns.
+    The caller must have completed the writes to the sources first (on CUDA:
+    synchronised the stream that wrote them), and must not let them be reused
+    before this returns.
     """
     staged: list[tuple[StageSlot, int]] = []
     try:
-        for item in items:
-            slot = store.begin_stage(item.key, cache.layout.dtype)
-            if slot is not None:
-                staged.append((slot, item.block_id))
+        slots = store.begin_stage_batch(list(sources), logical_dtype)
+        staged = [(slot, sources[slot.key]) for slot in slots]
         if staged:
-            await finish_even_if_cancelled(
-                asyncio.to_thread(copy_blocks_into_store, cache, store, staged)
-            )
-            layers = range(cache.num_layers)
+            await finish_even_if_cancelled(asyncio.to_thread(copy, staged))
+            layers = range(store.geometry.num_layers)
             for slot, _ in staged:
                 store.mark_layers_written(slot.key, layers)
             for slot, _ in staged:
@@ -70,21 +73,35 @@ def copy_blocks_into_store(
     """Copy every layer of the staged engine blocks into their store slots, then
     fence both devices. Runs in a worker thread: the slots are reserved and
     invisible, so nothing else touches them meanwhile."""
-    num_layers = cache.num_layers
     for tier in (DEVICE_TIER, CPU_TIER):
         picked = [(slot, block) for slot, block in staged if slot.tier == tier]
-        if not picked:
-            continue
-        rows = wide_view(store.rows(tier))
-        blocks = torch.tensor([block for _, block in picked], dtype=torch.long)
-        first_rows = torch.tensor(
-            [slot.first_row for slot, _ in picked], dtype=torch.long, device=rows.device
-        )
-        for layer in range(num_layers):
-            gathered = wide_view(
-                cache.gather(layer, blocks).to(rows.device), rows.dtype
+        if picked:
+            cache.copy_blocks_to_rows(
+                torch.tensor([block for _, block in picked], dtype=torch.long),
+                store.rows(tier),
+                torch.tensor([slot.first_row for slot, _ in picked], dtype=torch.long),
             )
-            rows.index_copy_(0, first_rows + layer, gathered)
     # A snapshot must never be published before its copy has completed.
     fence(cache.device)
+    fence(store.device)
+
+
+def copy_ring_into_store(
+    ring: torch.Tensor,
+    store: TieredKVSnapshotStore,
+    staged: Sequence[tuple[StageSlot, int]],
+) -> None:
+    """Copy staged snapshots from staging ring slots (``connector.staging_ring``: the
+    store's row layout) into their store slots, then fence both devices."""
+    num_layers = store.geometry.num_layers
+    for tier in (DEVICE_TIER, CPU_TIER):
+        picked = [(slot, ring_slot) for slot, ring_slot in staged if slot.tier == tier]
+        if picked:
+            copy_rows(
+                ring,
+                slot_rows_index([r * num_layers for _, r in picked], num_layers),
+                store.rows(tier),
+                slot_rows_index([slot.first_row for slot, _ in picked], num_layers),
+            )
+    fence(ring.device)
     fence(store.device)

@@ -19,11 +19,13 @@ face of three parts that need no xoscar: ``staging.py`` (snapshot computed block
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import torch
 import xoscar as xo
 
 from ..aio import ActorRefs
@@ -40,7 +42,12 @@ from ..transports.cpu_tier import CpuRowsReply, gather_cpu_rows
 from ..wire import LeaseGrant, LoadRequest, LoadResult, ReplicaIdentity, StageItem
 from .leases import LeaseBook
 from .loads import HolderLink, LoadRunner, release_lease
-from .staging import stage_snapshots
+from .staging import (
+    SnapshotCopy,
+    copy_blocks_into_store,
+    copy_ring_into_store,
+    stage_snapshots,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +114,8 @@ class _Mapped:
     leases: LeaseBook
     loads: LoadRunner
     holder_ops: Mapping[str, HolderOp]  # the transport's, asked once
+    # the worker's staging ring (``connector.staging_ring``), when it shares one
+    staging_ring: torch.Tensor | None = None
 
 
 class XavierTransferActor(xo.StatelessActor):
@@ -118,8 +127,11 @@ class XavierTransferActor(xo.StatelessActor):
         self._mapped: _Mapped | None = None
         self._tracker: Any = None
         self._holder_refs = ActorRefs()
-        # stage and transport_call calls in progress, drained by close()
+        # stage and transport_call calls and tracker updates in progress, drained
+        # by close()
         self._operations: set[asyncio.Task[Any]] = set()
+        self._tracker_lock = asyncio.Lock()
+        self._tracker_updates: set[asyncio.Task[None]] = set()
         self._counters = ActorCounters()
         # successful loads, from start_load to their result
         self._load_latency = LatencyRecorder()
@@ -157,13 +169,15 @@ class XavierTransferActor(xo.StatelessActor):
         model: str,
         block_size: int,
         layout_hint: str | None = None,
+        staging_ring: SharedTensorHandles | None = None,
     ) -> ReplicaIdentity:
         """Map the engine's per-layer KV tensors, exactly once per actor, and build
         the snapshot store and the transport for their geometry, on their device.
 
         ``num_blocks`` and ``block_size`` are the engine's (vLLM's cache config); the
         layout is detected from the tensors, or named by ``layout_hint`` where the
-        shape is ambiguous. Returns this replica's identity. A failed attempt leaves
+        shape is ambiguous. ``staging_ring`` is the worker's staging ring, for
+        ``stage_ring``. Returns this replica's identity. A failed attempt leaves
         nothing behind, so the caller may retry; a second successful one is refused.
         """
         self._check_open()
@@ -182,6 +196,7 @@ class XavierTransferActor(xo.StatelessActor):
             )
         cache = BlockMajorCache(tensors, layout)
         identity = ReplicaIdentity(model, cache.geometry, layout.name)
+        ring = None if staging_ring is None else _import_ring(staging_ring, cache)
         store = TieredKVSnapshotStore(
             identity.geometry,
             cache.device,
@@ -229,6 +244,7 @@ class XavierTransferActor(xo.StatelessActor):
                 latency=self._load_latency,
             ),
             transport.holder_ops(),
+            ring,
         )
         logger.info(
             "rank %d mapped %d KV cache layers on %s (%s, scatter path %s); store %s",
@@ -247,42 +263,105 @@ class XavierTransferActor(xo.StatelessActor):
         """Snapshot computed engine blocks into the store and publish them; returns
         how many were staged (see ``staging.stage_snapshots``).
 
-        Published keys are registered with the tracker (if that fails, the error is
-        raised and the snapshots stay local, which peers see as misses); snapshots
-        the store dropped to make room are unregistered.
+        Returns once the engine blocks have been copied, so the caller may let them
+        be reused. The tracker learns of the published keys (and of the snapshots
+        the store dropped to make room) afterwards, in order, in the background:
+        until then peers see a miss, which only costs them a recomputation.
         """
+        mapped = self._require_mapped()
+        cache, store = mapped.cache, mapped.store
+        return await self._stage(
+            {item.key: item.block_id for item in items},
+            functools.partial(copy_blocks_into_store, cache, store),
+        )
+
+    async def stage_ring(self, keys: list[BlockHash], ring_slots: list[int]) -> int:
+        """``stage``, from the slots of the worker's staging ring into which the
+        worker copied the blocks (``connector.staging_ring``); the worker may reuse
+        the slots once this returns."""
+        mapped = self._require_mapped()
+        ring = mapped.staging_ring
+        if ring is None:
+            raise RuntimeError(
+                f"replica {self._config.rank}'s worker mapped no staging ring"
+            )
+        if len(keys) != len(ring_slots):
+            raise ValueError(f"{len(keys)} keys for {len(ring_slots)} ring slots")
+        num_slots = ring.shape[0] // mapped.cache.num_layers
+        bad = [slot for slot in ring_slots if not 0 <= slot < num_slots]
+        if bad:
+            raise ValueError(f"ring slots {bad} out of range 0..{num_slots - 1}")
+        return await self._stage(
+            dict(zip(keys, ring_slots, strict=True)),
+            functools.partial(copy_ring_into_store, ring, mapped.store),
+        )
+
+    async def _stage(self, sources: dict[BlockHash, int], copy: SnapshotCopy) -> int:
         self._check_open()
         mapped = self._require_mapped()
         async with self._operation():
             try:
                 keys = await stage_snapshots(
-                    mapped.cache, mapped.store, items, self._counters
+                    mapped.store,
+                    sources,
+                    mapped.cache.layout.dtype,
+                    copy,
+                    self._counters,
                 )
             finally:
-                await self._unregister_dropped(mapped.store.take_dropped())
-            if keys:
-                await self._deadline(
-                    self._tracker.register_blocks(self._config.rank, keys)
+                self._tell_tracker(
+                    keys_added=[], keys_dropped=mapped.store.take_dropped()
                 )
+            self._tell_tracker(keys_added=keys, keys_dropped=[])
             return len(keys)
 
-    async def _unregister_dropped(self, dropped: list[BlockHash]) -> None:
-        if not dropped:
+    def _tell_tracker(
+        self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
+    ) -> None:
+        """Queue a tracker update; updates reach the tracker in the order queued,
+        so a key dropped and staged again ends up registered."""
+        if not keys_added and not keys_dropped:
             return
-        try:
-            await self._deadline(
-                self._tracker.unregister_blocks(self._config.rank, dropped)
-            )
-        except Exception as exc:  # logged and counted; see below
-            # Not fatal: a stale tracker entry makes a peer's reservation here come
-            # back short, which it treats as a miss.
-            self._counters.tracker_failures += 1
-            logger.warning(
-                "rank %d could not unregister %d dropped snapshots: %r",
-                self._config.rank,
-                len(dropped),
-                exc,
-            )
+        task = asyncio.create_task(self._send_to_tracker(keys_added, keys_dropped))
+        for tasks in (self._operations, self._tracker_updates):  # close() waits
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def wait_tracker_updates(self) -> None:
+        """Return once the tracker has been told (or failed to be told) of every
+        snapshot staged or dropped so far: from then on peers can find them."""
+        if self._tracker_updates:
+            await asyncio.wait(list(self._tracker_updates))
+
+    async def _send_to_tracker(
+        self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
+    ) -> None:
+        rank = self._config.rank
+        # Tasks reach the lock in creation order and asyncio.Lock wakes waiters
+        # first come, first served: one update at a time, in order.
+        async with self._tracker_lock:
+            try:
+                if keys_dropped:
+                    await self._deadline(
+                        self._tracker.unregister_blocks(rank, keys_dropped)
+                    )
+                if keys_added:
+                    await self._deadline(
+                        self._tracker.register_blocks(rank, keys_added)
+                    )
+            except Exception as exc:  # logged and counted; see below
+                # Not fatal: a key the tracker missed is a miss for peers; a stale
+                # entry makes a peer's reservation here come back short, which it
+                # treats as a miss too.
+                self._counters.tracker_failures += 1
+                logger.warning(
+                    "rank %d could not tell the tracker of %d new and %d dropped "
+                    "snapshots: %r",
+                    rank,
+                    len(keys_added),
+                    len(keys_dropped),
+                    exc,
+                )
 
     # ---- holder side ------------------------------------------------------------
 
@@ -414,11 +493,15 @@ class XavierTransferActor(xo.StatelessActor):
         self._closing = True  # from now on new requests are refused
         rank = self._config.rank
         mapped = self._mapped
-        pending: list[asyncio.Task[Any]] = list(self._operations)
-        if mapped is not None:
-            pending += mapped.loads.tasks()
-        if pending:
-            # Each of these waits on peers only with deadlines, so this ends.
+        while True:
+            # Each of these waits on peers only with deadlines, so this ends; the
+            # loop catches the tracker updates that ending stagings queue.
+            pending: list[asyncio.Task[Any]] = list(self._operations)
+            if mapped is not None:
+                pending += mapped.loads.tasks()
+            pending = [task for task in pending if not task.done()]
+            if not pending:
+                break
             await asyncio.wait(pending)
         if self._tracker is not None:
             try:
@@ -462,6 +545,25 @@ class XavierTransferActor(xo.StatelessActor):
         # xo.wait_for rather than asyncio.wait_for: it times out even when the
         # cancellation of an actor call cannot reach an unresponsive peer.
         return await xo.wait_for(call, self._config.rpc_timeout_s)
+
+
+def _import_ring(handles: SharedTensorHandles, cache: BlockMajorCache) -> torch.Tensor:
+    """Map the worker's staging ring and check it has the store's row layout."""
+    (ring,) = import_tensors(handles)
+    num_layers, row_nbytes = cache.num_layers, cache.layout.layer_block_nbytes
+    if (
+        ring.dtype != torch.uint8
+        or ring.dim() != 2
+        or ring.shape[1] != row_nbytes
+        or ring.shape[0] % num_layers
+        or ring.device != cache.device
+    ):
+        raise ValueError(
+            f"the staging ring is {ring.dtype} {tuple(ring.shape)} on {ring.device}; "
+            f"expected uint8 rows of {row_nbytes} bytes, {num_layers} per slot, on "
+            f"{cache.device}"
+        )
+    return ring
 
 
 class _Tracked:

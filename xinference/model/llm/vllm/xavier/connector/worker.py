@@ -8,8 +8,10 @@ by the model runner once per step. It
 - starts the loads the scheduler half decided; a synchronous load is waited for
   before the forward (the CPU runner zeroes new blocks just before, so writes must
   land after that and before attention); an asynchronous one is polled each step;
-- after the forward, stages the prompt blocks that became full, so the actor copies
-  and publishes them while the blocks are certainly still owned by their request;
+- after the forward, copies the prompt blocks that became full into its staging
+  ring, with copies queued on the engine's stream so nothing the engine writes next
+  can overtake them, and hands the ring slots to the actor, which snapshots and
+  publishes them in the background (``staging_ring.py`` says why);
 - reports finished loads (aborted requests included, once their in-flight writes
   are over) and the blocks whose load failed, so vLLM recomputes them.
 
@@ -20,6 +22,7 @@ Every call into the actor carries a deadline. A failure to load is reported as d
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import time
@@ -31,7 +34,11 @@ import torch
 
 from ..aio import BackgroundLoop, with_deadline
 from ..engine import device
-from ..wire import LoadResult, ReplicaIdentity
+from ..engine.blocks import BlockMajorCache
+from ..engine.layout import detect_layout
+from ..hashing import BlockHash
+from ..wire import LoadResult, ReplicaIdentity, StageItem
+from .staging_ring import StagingRing
 from .step import StepMetadata
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,9 @@ class WorkerSettings:
     map_timeout_s: float = 120.0  # mapping builds the store: slower than an RPC
     map_retry_s: float = 1.0  # pause between mapping attempts before the actor exists
     layout_hint: str | None = None
+    # Bytes of the staging ring (rounded down to whole blocks); 0: no ring, and
+    # wait_for_save waits while the actor copies straight from the engine blocks.
+    staging_ring_bytes: int = 64 * 1024**2
 
 
 @dataclass(slots=True)
@@ -58,6 +68,14 @@ class _InFlightLoad:
     dst_block_ids: tuple[int, ...]
     started: float = field(default_factory=time.monotonic)
     cancel: asyncio.Future[None] | None = None  # cancel_load in progress
+
+
+@dataclass(slots=True)
+class _RingStaging:
+    """Ring slots handed to the actor, until it has copied them out."""
+
+    slots: list[int]
+    future: concurrent.futures.Future[None]
 
 
 # Returns this replica's transfer actor (an xoscar actor ref, or a test object with
@@ -93,6 +111,11 @@ class WorkerSide:
         # requests whose load ended (or never started) but are not yet reported
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._ring: StagingRing | None = None
+        self._ring_handles: device.SharedTensorHandles | None = None
+        # ring stagings handed to the actor, oldest first
+        self._ring_stagings: collections.deque[_RingStaging] = collections.deque()
+        self.ring_skipped_blocks = 0  # blocks not staged: every ring slot was retired
 
     # ---- mapping ----------------------------------------------------------------
 
@@ -109,7 +132,30 @@ class WorkerSide:
             raise ValueError("the engine registered no KV cache tensors")
         self._kv_caches = list(kv_caches)
         self._handles = device.export_tensors(self._kv_caches)
+        self._make_staging_ring()
         self._try_mapping()
+
+    def _make_staging_ring(self) -> None:
+        """Allocate and share the staging ring; without one (a zero budget, or an
+        engine cache this half cannot address) staging falls back to waiting."""
+        settings = self._settings
+        try:
+            layout = detect_layout(
+                self._kv_caches, settings.num_blocks, settings.layout_hint
+            )
+            cache = BlockMajorCache(self._kv_caches, layout)
+            num_slots = settings.staging_ring_bytes // cache.geometry.block_nbytes
+            if num_slots == 0:
+                return
+            ring = StagingRing(cache, num_slots)
+            self._ring_handles = device.export_tensors([ring.rows])
+        except Exception as exc:
+            logger.warning(
+                "Xavier: no staging ring (%r); staging will wait for the actor's copy",
+                exc,
+            )
+            return
+        self._ring = ring
 
     def _try_mapping(self) -> None:
         """Start one background mapping attempt unless mapped, running or too soon."""
@@ -177,6 +223,7 @@ class WorkerSide:
                 self._settings.model,
                 self._settings.block_size,
                 self._settings.layout_hint,
+                staging_ring=self._ring_handles,
             )
             self._actor = actor
             self._identity = identity
@@ -349,16 +396,94 @@ class WorkerSide:
     def wait_for_save(self, step: StepMetadata) -> None:
         """Stage the blocks that became full in this step's forward, and publish them.
 
-        Waits for the actor's copy: the blocks are certain to hold this request's KV
-        only until the scheduler sees this step's output.
+        With a staging ring, returns once the copies into the ring are queued on
+        the engine's stream; it waits only when the ring is full (for the oldest
+        stagings to free their slots). Without one, waits for the actor's copy:
+        the blocks are certain to hold this request's KV only until the next step.
         """
         if not step.stage or self._actor is None:
             return
-        # The forward that computed these blocks may still be running on the
-        # engine's stream; the actor reads them from another process.
-        device.fence(self._kv_caches[0].device)
-        items = list(step.stage)
-        self._run_actor(self._actor.stage(items), self._settings.rpc_timeout_s)
+        if self._ring is None:
+            # The forward that computed these blocks may still be running on the
+            # engine's stream; the actor reads them from another process.
+            device.fence(self._kv_caches[0].device)
+            self._run_actor(
+                self._actor.stage(list(step.stage)), self._settings.rpc_timeout_s
+            )
+            return
+        self._collect_ring_stagings(wait_for=0)
+        pending = list(step.stage)
+        while pending:
+            free = self._ring.free_slots
+            if free == 0:
+                if not self._ring_stagings:
+                    break  # every slot retired: nothing will come back
+                self._collect_ring_stagings(wait_for=1)
+                continue
+            self._stage_through_ring(pending[:free])
+            pending = pending[free:]
+        if pending:
+            self.ring_skipped_blocks += len(pending)
+            logger.warning(
+                "Xavier: %d blocks not staged: the staging ring has no usable slot",
+                len(pending),
+            )
+
+    def _stage_through_ring(self, items: list[StageItem]) -> None:
+        assert self._ring is not None
+        slots = self._ring.copy_in([item.block_id for item in items])
+        copied = device.DeviceWorkMark(self._ring.rows.device)
+        copied.mark()
+        keys = [item.key for item in items]
+        future = self._loop.submit(self._stage_ring(keys, slots, copied))
+        self._ring_stagings.append(_RingStaging(slots, future))
+
+    async def _stage_ring(
+        self, keys: list[BlockHash], slots: list[int], copied: device.DeviceWorkMark
+    ) -> None:
+        # The actor reads the ring from another process: the copies into it (and
+        # the forward before them) must have completed. Wait off the loop thread.
+        await asyncio.to_thread(copied.wait)
+        await with_deadline(
+            self._actor.stage_ring(keys, slots), self._settings.rpc_timeout_s
+        )
+
+    def _collect_ring_stagings(self, wait_for: int | None) -> None:
+        """Take back the ring slots of finished stagings, oldest first: those that
+        are done, after waiting for the oldest ``wait_for`` (None: all). A staging
+        that failed only costs future hits: it is logged. Slots of one that timed
+        out are retired, since the actor may still be reading them."""
+        assert self._ring is not None
+        waited = 0
+        while self._ring_stagings:
+            staging = self._ring_stagings[0]
+            if not staging.future.done():
+                if wait_for is not None and waited >= wait_for:
+                    return
+                waited += 1
+            self._ring_stagings.popleft()
+            try:
+                # The deadline is enforced in the loop; the extra second only
+                # guards against a loop that is itself stuck.
+                staging.future.result(self._settings.rpc_timeout_s + 1.0)
+            except (TimeoutError, concurrent.futures.TimeoutError) as exc:
+                self._ring.retire(staging.slots)
+                logger.error(
+                    "Xavier: staging %d blocks timed out (%r); retiring their ring "
+                    "slots (%d retired)",
+                    len(staging.slots),
+                    exc,
+                    self._ring.retired,
+                )
+                continue
+            except Exception as exc:
+                logger.error("Xavier: staging failed: %r", exc)
+            self._ring.give_back(staging.slots)
+
+    def wait_for_stagings(self) -> None:
+        """Wait until the actor has taken every staging handed to it so far."""
+        if self._ring is not None:
+            self._collect_ring_stagings(wait_for=None)
 
     # ---- plumbing ---------------------------------------------------------------
 
@@ -374,7 +499,9 @@ class WorkerSide:
             logger.error("Xavier: transfer actor call failed: %r", exc)
 
     def close(self) -> None:
-        """Cancel loads still running (their writes finish first), then refuse work."""
+        """Wait for the stagings handed to the actor, cancel loads still running
+        (their writes finish first), then refuse work."""
+        self.wait_for_stagings()
 
         async def shut() -> None:
             if self._map_lock is None:

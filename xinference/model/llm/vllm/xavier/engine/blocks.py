@@ -108,6 +108,19 @@ class BlockMajorCache:
         per_row = self.layout.layer_block_nbytes // self._element.itemsize
         return picked.reshape(index.numel(), per_row).view(torch.uint8)
 
+    def copy_blocks_to_rows(
+        self, block_ids: torch.Tensor, rows: torch.Tensor, first_rows: torch.Tensor
+    ) -> None:
+        """Copy every layer of blocks ``block_ids`` into snapshot rows: layer ``l``
+        of ``block_ids[i]`` to ``rows[first_rows[i] + l]`` (``rows`` uint8, maybe on
+        another device). Copies are queued on the current stream, one gather and one
+        copy per layer."""
+        target = wide_view(rows)  # views only: writes reach ``rows``
+        first_rows = first_rows.to(rows.device)
+        for layer in range(self.num_layers):
+            gathered = self.gather(layer, block_ids).to(rows.device)
+            target.index_copy_(0, first_rows + layer, wide_view(gathered, target.dtype))
+
     def scatter(self, layer: int, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` ``(n, R)`` uint8 into blocks ``block_ids`` of ``layer``.
 

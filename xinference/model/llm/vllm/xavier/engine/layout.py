@@ -200,3 +200,23 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def slot_rows_index(first_rows: Sequence[int], num_layers: int) -> torch.Tensor:
+    """Row indices of whole snapshots: ``num_layers`` rows from each first row."""
+    layers = torch.arange(num_layers)
+    return torch.cat([layers + first for first in first_rows])
+
+
+def copy_rows(
+    source: torch.Tensor,
+    source_rows: torch.Tensor,
+    target: torch.Tensor,
+    target_rows: torch.Tensor,
+) -> None:
+    """``target[target_rows] = source[source_rows]`` for rows of equal width, on any
+    two devices: one gather and one copy, whatever the number of rows."""
+    wide_source = wide_view(source)
+    wide_target = target.view(wide_source.dtype)  # a view, or an error: never a copy
+    picked = wide_source.index_select(0, source_rows.to(source.device))
+    wide_target.index_copy_(0, target_rows.to(target.device), picked.to(target.device))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.device import fence
-from ..engine.layout import wide_view
+from ..engine.layout import copy_rows, slot_rows_index
 from ..hashing import BlockHash
 from ..stats import StoreStats
 from ..wire import CPU_TIER, DEVICE_TIER, KVGeometry
@@ -105,6 +105,11 @@ class _Tier:
     def give_back_slot(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
 
+    def take_slot(self, slot: int) -> None:
+        """Take a given free slot (to undo a move; linear, so never on a fast path)."""
+        self._free.remove(slot)
+        heapq.heapify(self._free)
+
     def first_row(self, slot: int) -> int:
         return slot * self.num_layers
 
@@ -135,7 +140,7 @@ class TieredKVSnapshotStore:
 
     Not thread-safe by design: one transfer actor owns the store and calls it from
     its event loop, one call at a time, so there are no locks inside. Calls are
-    short (bookkeeping plus at most one snapshot copy on demotion).
+    short (bookkeeping plus one batched copy of the snapshots demoted).
     """
 
     def __init__(
@@ -183,6 +188,8 @@ class TieredKVSnapshotStore:
         self._device_hits = 0
         self._cpu_hits = 0
         self._demotions = 0
+        # demotions whose copy is queued, while begin_stage_batch runs
+        self._pending_demotions: dict[BlockHash, _Demotion] | None = None
         self._drops = 0
         self._skips = 0
         self._published = 0
@@ -211,19 +218,49 @@ class TieredKVSnapshotStore:
 
         May demote or drop unleased published snapshots to make room.
         """
+        slots = self.begin_stage_batch([key], logical_dtype)
+        return slots[0] if slots else None
+
+    def begin_stage_batch(
+        self, keys: Sequence[BlockHash], logical_dtype: str
+    ) -> list[StageSlot]:
+        """``begin_stage`` for each of ``keys``, in order; returns the slots reserved
+        (keys already held, or for which no room could be made, have none).
+
+        The demotions that make room are copied together, one device-to-host copy
+        and one fence for the batch instead of one each. If that copy fails, the
+        error propagates and the batch is undone: no slot stays reserved, and each
+        demoted snapshot is back, whole, in its device slot (its rows there were not
+        written meanwhile). CPU snapshots dropped to make room stay dropped
+        (``take_dropped`` reports them).
+        """
         if not isinstance(logical_dtype, str) or not logical_dtype:
             raise ValueError(
                 f"logical_dtype must be a dtype name, got {logical_dtype!r}"
             )
-        if key in self._snapshots:
-            return None
-        placement = self._make_room()
-        if placement is None:
-            self._skips += 1
-            return None
-        tier, slot = placement
-        self._snapshots[key] = _Snapshot(key, tier.name, slot, logical_dtype)
-        return StageSlot(key, tier.name, slot, tier.first_row(slot))
+        pending: dict[BlockHash, _Demotion] = {}
+        self._pending_demotions = pending
+        reserved: list[StageSlot] = []
+        try:
+            for key in keys:
+                if key in self._snapshots:
+                    continue
+                placement = self._make_room()
+                if placement is None:
+                    self._skips += 1
+                    continue
+                tier, slot = placement
+                self._snapshots[key] = _Snapshot(key, tier.name, slot, logical_dtype)
+                reserved.append(StageSlot(key, tier.name, slot, tier.first_row(slot)))
+            self._copy_demotions(pending)
+        except BaseException:
+            for stage_slot in reversed(reserved):
+                self.abort_stage(stage_slot.key)
+            self._undo_demotions(pending)
+            raise
+        finally:
+            self._pending_demotions = None
+        return reserved
 
     def mark_layers_written(self, key: BlockHash, layers: Iterable[int]) -> None:
         """Record that the caller wrote these layers' rows; each layer exactly once.
@@ -447,35 +484,75 @@ class TieredKVSnapshotStore:
         del self._snapshots[key]
         del self.logical_dtypes[key]
         tier.give_back_slot(record.slot)
+        if self._pending_demotions is not None:
+            # Demoted earlier in this batch and dropped again: nothing to copy.
+            self._pending_demotions.pop(key, None)
         self._dropped.append(key)
         self._drops += 1
 
     def _demote(self, key: BlockHash) -> None:
         """Move an unleased published device snapshot into a free CPU slot.
 
-        The copy happens before any bookkeeping: if it raises, the CPU slot goes
-        back to the free list and the snapshot is still whole on the device.
+        Only the bookkeeping happens here; the copy is queued for the batch
+        (``begin_stage_batch``), which runs it before anyone can lease the key or
+        write the device slot, and undoes the move if it fails.
         """
+        assert self._pending_demotions is not None, "demotions happen in a batch"
         record = self._snapshots[key]
         device, cpu = self._device_tier, self._cpu_tier
         if device.order.is_pinned(key):
             raise AssertionError(f"{key.hex()} is leased and must not be demoted")
         cpu_slot = cpu.take_free_slot()
-        try:
-            target = wide_view(cpu.slot_rows(cpu_slot))
-            target.copy_(wide_view(device.slot_rows(record.slot), target.dtype))
-            # The device slot goes to a new snapshot next, whose writer may use
-            # another stream: the read out of it must have completed.
-            fence(self.device)
-        except BaseException:
-            cpu.give_back_slot(cpu_slot)
-            raise
+        self._pending_demotions[key] = _Demotion(record.slot, cpu_slot)
         device.order.remove(key)
         device.give_back_slot(record.slot)
         record.tier, record.slot = CPU_TIER, cpu_slot
         # The demoted snapshot is the CPU tier's most recent arrival.
         cpu.order.touch(key)
         self._demotions += 1
+
+    def _copy_demotions(self, demotions: dict[BlockHash, _Demotion]) -> None:
+        """Copy the rows of the queued demotions from the device tier to their CPU
+        slots: one gather, one device-to-host copy and one fence for all of them."""
+        if not demotions:
+            return
+        device, cpu = self._device_tier, self._cpu_tier
+        num_layers = device.num_layers
+        copy_rows(
+            device.rows,
+            slot_rows_index(
+                [device.first_row(d.device_slot) for d in demotions.values()],
+                num_layers,
+            ),
+            cpu.rows,
+            slot_rows_index(
+                [cpu.first_row(d.cpu_slot) for d in demotions.values()], num_layers
+            ),
+        )
+        # The device slots go to new snapshots next, whose writer may use another
+        # stream: the reads out of them must have completed.
+        fence(self.device)
+
+    def _undo_demotions(self, demotions: dict[BlockHash, _Demotion]) -> None:
+        """Put snapshots whose demotion copy failed back into their device slots,
+        which the caller has freed again (their rows were never overwritten)."""
+        device, cpu = self._device_tier, self._cpu_tier
+        for key, demotion in reversed(demotions.items()):
+            record = self._snapshots[key]
+            cpu.order.remove(key)
+            cpu.give_back_slot(demotion.cpu_slot)
+            device.take_slot(demotion.device_slot)
+            record.tier, record.slot = DEVICE_TIER, demotion.device_slot
+            device.order.touch(key)
+            self._demotions -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Demotion:
+    """A device snapshot moved to the CPU tier whose rows are not copied yet."""
+
+    device_slot: int
+    cpu_slot: int
 
 
 def _abbreviate(values: list[int], limit: int = 8) -> str:

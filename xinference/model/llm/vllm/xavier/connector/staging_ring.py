@@ -1,0 +1,82 @@
+"""The staging ring: where the worker half copies blocks to stage, on the engine's stream.
+
+Staging must read a request's engine blocks before anything can write them again,
+and vLLM gives no connector hook that runs before every such write in every model
+runner (a block freed by a finished or preempted request may be zeroed or be the
+target of a copy-on-write before the next ``start_load_kv``). So the worker copies
+the blocks out itself, in ``wait_for_save``, with copies queued on the engine's own
+stream: whatever the engine writes next is ordered after them. The copies land in
+this ring, a buffer the worker owns and shares with its transfer actor (CUDA IPC,
+or shared memory on CPU) at mapping time; the actor snapshots ring slots into its
+store in the background and the slots come back when it replies. The engine thread
+pays only for queueing the copies.
+
+Ring slot ``s`` holds rows ``s*L .. s*L + L - 1``, row ``s*L + l`` being layer ``l``
+of one block: the store's own row layout, so the actor copies slots with one
+gather per tier (``engine.layout.copy_rows``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..engine.blocks import BlockMajorCache
+
+
+class StagingRing:
+    """``num_slots`` block-sized slots on the engine's device, and which are free.
+
+    Used from the engine's thread only: slots are taken when blocks are copied in
+    and given back once the actor has copied them out (or retired, if it may still
+    be reading them).
+    """
+
+    def __init__(self, cache: BlockMajorCache, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"a staging ring needs at least one slot, got {num_slots}")
+        self._cache = cache
+        self.num_layers = cache.num_layers
+        self.rows = torch.empty(
+            (num_slots * self.num_layers, cache.layout.layer_block_nbytes),
+            dtype=torch.uint8,
+            device=cache.device,
+        )
+        self.num_slots = num_slots
+        # Lowest first, so the rows in use stay dense.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.retired = 0  # slots never given back (an actor that may still read them)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def copy_in(self, block_ids: Sequence[int]) -> list[int]:
+        """Copy engine blocks ``block_ids`` into free slots, one slot each, with
+        copies queued on the current stream; returns the slots, in order.
+
+        The caller must have checked ``free_slots``.
+        """
+        if len(block_ids) > len(self._free):
+            raise ValueError(
+                f"{len(block_ids)} blocks to stage, {len(self._free)} free ring slots"
+            )
+        slots = [self._free.pop() for _ in block_ids]
+        if not slots:
+            return slots
+        blocks = torch.tensor(list(block_ids), dtype=torch.long)
+        first_rows = torch.tensor(
+            [slot * self.num_layers for slot in slots],
+            dtype=torch.long,
+            device=self.rows.device,
+        )
+        self._cache.copy_blocks_to_rows(blocks, self.rows, first_rows)
+        return slots
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        self._free.extend(sorted(slots, reverse=True))
+
+    def retire(self, slots: Sequence[int]) -> None:
+        """Never reuse ``slots``: someone may still read them."""
+        self.retired += len(slots)
