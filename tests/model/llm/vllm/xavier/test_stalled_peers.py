@@ -39,9 +39,17 @@ from xinference.model.llm.vllm.xavier.transports.xoscar.gpu_transfer import (
 )
 from xinference.model.llm.vllm.xavier.wire import KVGeometry, LoadRequest, StageItem
 
-from ._support import MODEL, Cluster, EngineSpec, SyntheticEngine, load_blocks, new_id
+from ._support import (
+    MODEL,
+    Cluster,
+    EngineSpec,
+    SyntheticEngine,
+    load_blocks,
+    new_id,
+    wait_until_stopped,
+)
 
-# One pool for the module: starting three sub-pool processes costs more than the
+# One pool for the module: starting four sub-pool processes costs more than the
 # tests themselves.
 pytestmark = [
     pytest.mark.nixl,
@@ -157,24 +165,10 @@ def stopped(pid: int) -> Iterator[None]:
     """The process is stopped (every thread of it) inside the block."""
     os.kill(pid, signal.SIGSTOP)
     try:
-        _wait_until_stopped(pid)
+        wait_until_stopped(pid)
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-def _wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    states: set[str] = set()
-    while time.monotonic() < deadline:
-        states = set()
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                states.add(stat.read().rsplit(")", 1)[1].split()[0])
-        if states <= {"T", "t"}:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop within {timeout_s} s: {states}")
 
 
 async def ends_within(call: Awaitable[Any], bound_s: float) -> tuple[Any, float]:
@@ -335,20 +329,12 @@ async def test_a_push_into_a_stopped_loader_times_out_and_recovers(world):
     geometry = KVGeometry(
         num_layers=2, layer_block_nbytes=4096, logical_dtype="bfloat16"
     )
-    holder = await xo.create_actor(
-        PushEnd,
-        geometry,
-        DEADLINE_S,
-        address=world.addresses["holder"],
-        uid="push-holder",
-    )
-    loader = await xo.create_actor(
-        PushEnd,
-        geometry,
-        DEADLINE_S,
-        address=world.addresses["loader"],
-        uid="push-loader",
-    )
+    holder, loader = [
+        await xo.create_actor(
+            PushEnd, geometry, DEADLINE_S, address=world.addresses[role], uid=role
+        )
+        for role in ("holder", "loader")
+    ]
     try:
         size, dest = await loader.small_dest()
         rows = [7, 2, 5]  # rows of the holder's source, in the order asked
