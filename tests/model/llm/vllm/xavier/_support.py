@@ -18,6 +18,8 @@ tree is a package.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -289,6 +291,22 @@ async def load_blocks(
         loader, holder, keys, dst_blocks, requester
     )
     return grant, await loader.wait_load(load_id, timeout)
+
+
+def wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Block until every thread of ``pid`` is stopped (state T, after SIGSTOP), so
+    that nothing in it (UCX's progress thread included) can still serve a peer."""
+    deadline = time.monotonic() + timeout_s
+    states: set[str] = set()
+    while time.monotonic() < deadline:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                states.add(stat.read().rsplit(")", 1)[1].split()[0])
+        if states <= {"T", "t"}:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s: {states}")
 
 
 # ---- the other process of the device tests ------------------------------------------

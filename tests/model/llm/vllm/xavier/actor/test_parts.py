@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -283,3 +284,76 @@ async def test_a_cancelled_load_stops_between_chunks_and_frees_its_blocks():
     transport.before_chunk = None
     await runner.start(request(grant2, [1, 2], "load-2"))
     assert (await runner.wait("load-2", 10)).ok
+
+
+class ThreadWriteTransport(FakeTransport):
+    """Writes its rows from a worker thread, the way a real transfer writes engine
+    blocks outside the event loop; the write says when it is in flight and waits
+    for ``go_on`` before it lands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_write = asyncio.Event()
+        self.go_on = threading.Event()
+        self.write_finished = False
+
+    async def load(
+        self,
+        holder: Any,
+        holder_rank: int,
+        lease_id: str,
+        keys: Sequence[bytes],
+        scatter: Any,
+        *,
+        hint: TransportHint | None = None,
+        dst_block_ids: Sequence[int] | None = None,
+    ) -> None:
+        rows = await holder("rows", lease_id, list(keys))
+        loop = asyncio.get_running_loop()
+
+        def write() -> None:
+            loop.call_soon_threadsafe(self.in_write.set)
+            if not self.go_on.wait(30):
+                raise AssertionError("the test never let the write land")
+            scatter(0, rows)
+            self.write_finished = True
+
+        await asyncio.to_thread(write)
+
+
+async def test_a_cancelled_load_task_ends_only_after_its_write_in_flight():
+    """The load's own task is cancelled (the actor pool shutting down) while a
+    write into its engine blocks runs in a thread: the task keeps the blocks and
+    the lease until that write has landed, then raises CancelledError."""
+    holder, published = await staged_holder(2, device_slots=2)
+    grant = holder.leases.grant(published, "lease-i", holder.engine.identity())
+    transport = ThreadWriteTransport()
+    runner, target, _ = runner_for(holder, transport)
+    await runner.start(request(grant, [4, 9]))
+    (task,) = runner.tasks()
+    # What had landed when the task ended, captured at that very moment.
+    at_end: list[tuple[bool, list[str]]] = []
+    task.add_done_callback(
+        lambda _: at_end.append((transport.write_finished, list(holder.released)))
+    )
+    await transport.in_write.wait()
+    task.cancel()
+    for _ in range(20):  # let the loop deliver the cancellation, several times over
+        await asyncio.sleep(0)
+    assert not task.done(), "the load ended with its write still in flight"
+    assert holder.released == []
+    with pytest.raises(ValueError, match="still being written"):
+        other = holder.leases.grant(published, "lease-j", holder.engine.identity())
+        await runner.start(request(other, [9, 5], "load-2"))
+    assert holder.released == ["lease-j"]  # the refused one; ours is still held
+    transport.go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert at_end == [(True, ["lease-j", "lease-i"])]
+    result = await runner.wait("load-1", 1)
+    assert not result.ok and "CancelledError" in result.error
+    assert runner.in_flight == 0
+    for src_block, dst_block in enumerate([4, 9]):
+        assert torch.equal(
+            target.read_block(dst_block), holder.engine.read_block(src_block)
+        )

@@ -249,7 +249,7 @@ class TransportPeer(xo.StatelessActor):
                 first_row + rows.shape[0]
             ):
                 raise RuntimeError(f"scatter refused row {fail_at_row}")
-            index = chunk_row_index(first_rows, num_layers, first_row, rows.shape[0])
+            index = loader_row_index(first_rows, num_layers, first_row, rows.shape[0])
             dest.index_copy_(0, index.to(dest.device), rows)
 
         async def holder_call(op: str, *args: Any) -> Any:
@@ -395,13 +395,30 @@ def make_policy(name: str, full_bytes: int) -> SlabPolicy:
     return policies[name](full_bytes)
 
 
+def loader_row_index(
+    key_first_rows: list[int], num_layers: int, first_row: int, num_rows: int
+) -> torch.Tensor:
+    """Where the loader puts a chunk's rows: global row ``r`` is layer
+    ``r % num_layers`` of the ``r // num_layers``-th key.
+
+    Written out row by row here, not with the production ``chunk_row_index``: the
+    holders gather with that one, and a bug in it used at both ends would cancel
+    out and leave the bytes looking right.
+    """
+    index = []
+    for row in range(first_row, first_row + num_rows):
+        key, layer = divmod(row, num_layers)
+        index.append(key_first_rows[key] + layer)
+    return torch.tensor(index, dtype=torch.long)
+
+
 def scatter_into(
     dest: torch.Tensor, key_first_rows: list[int], num_layers: int
 ) -> Callable[[int, torch.Tensor], None]:
     """A scatter callback writing a load's global rows into ``dest``'s snapshot rows."""
 
     def scatter(first_row: int, rows: torch.Tensor) -> None:
-        index = chunk_row_index(key_first_rows, num_layers, first_row, rows.shape[0])
+        index = loader_row_index(key_first_rows, num_layers, first_row, rows.shape[0])
         dest.index_copy_(0, index.to(dest.device), rows)
 
     return scatter

@@ -43,7 +43,7 @@ from xinference.model.llm.vllm.xavier.transports.nixl.wire import (
 )
 from xinference.model.llm.vllm.xavier.wire import KVGeometry
 
-from ..._support import all_bf16_patterns
+from ..._support import all_bf16_patterns, wait_until_stopped
 from ..peers import PeerSpec, transport_pair
 
 KiB = 1024
@@ -619,21 +619,6 @@ async def _error_of(call: Any, timeout_s: float) -> BaseException | None:
     return None
 
 
-def _wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
-    """Block until every thread of ``pid`` is stopped (state T), so that nothing in
-    the holder (UCX's progress thread included) can still serve a READ."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        states = set()
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                states.add(stat.read().rsplit(")", 1)[1].split()[0])
-        if states <= {"T", "t"}:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop within {timeout_s} s: {states}")
-
-
 @pytest.mark.nixl
 @pytest.mark.slow
 async def test_a_stalled_holder_times_out_and_retires_the_slab() -> None:
@@ -651,7 +636,7 @@ async def test_a_stalled_holder_times_out_and_retires_the_slab() -> None:
         pid = await holder.pid()
         os.kill(pid, signal.SIGSTOP)
         try:
-            _wait_until_stopped(pid)
+            wait_until_stopped(pid)
             started = time.monotonic()
             with pytest.raises(NixlTransferTimeout, match="did not complete"):
                 await asyncio.wait_for(

@@ -413,7 +413,9 @@ class GPUTransfer:
                 view, req.dest, req.wire_bytes
             )
             try:
-                await asyncio.wait_for(
+                # xo.wait_for, not asyncio.wait_for: the latter waits for the
+                # cancelled copy, which a stopped loader never lets end.
+                await xo.wait_for(
                     xo.copy_to([view], [req.dest]), timeout=self.copy_timeout_s
                 )
             except BaseException:
