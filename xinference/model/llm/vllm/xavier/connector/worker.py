@@ -8,7 +8,7 @@ by the model runner once per step. It
 - starts the loads the scheduler half decided; a synchronous load is waited for
   before the forward (the CPU runner zeroes new blocks just before, so writes must
   land after that and before attention); an asynchronous one is polled each step;
-- after the forward, stages the prompt blocks that became full, so the actor copies
+- after the forward, stages the blocks that became full, so the actor copies
   and publishes them while the blocks are certainly still owned by their request;
 - reports finished loads (aborted requests included, once their in-flight writes
   are over) and the blocks whose load failed, so vLLM recomputes them.
@@ -352,12 +352,14 @@ class WorkerSide:
         Waits for the actor's copy: the blocks are certain to hold this request's KV
         only until the scheduler sees this step's output.
         """
-        if not step.stage or self._actor is None:
+        # This step's failed synchronous loads are known here (reported to vLLM
+        # only after this call): blocks computed on top of them are left out.
+        items = step.items_to_stage(self._load_errors)
+        if not items or self._actor is None:
             return
         # The forward that computed these blocks may still be running on the
         # engine's stream; the actor reads them from another process.
         device.fence(self._kv_caches[0].device)
-        items = list(step.stage)
         self._run_actor(self._actor.stage(items), self._settings.rpc_timeout_s)
 
     # ---- plumbing ---------------------------------------------------------------
