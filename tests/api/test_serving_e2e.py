@@ -48,7 +48,7 @@ ENGINE_OPTIONS = [
     "--dtype",
     DTYPE,
 ]
-WORKLOAD = Workload(groups=3, per_group=2, max_tokens=16)
+WORKLOAD = Workload(groups=3, per_group=2, max_tokens=16, prefix_words=240)
 PREFIX_BLOCKS = 8  # each group's prefix covers at least this many 32-token blocks
 CHAT = [{"role": "user", "content": "name three syllables " * 12}]
 EXIT_TIMEOUT_S = 60.0
