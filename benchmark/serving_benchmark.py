@@ -18,6 +18,12 @@ Phases (``--phases``, in this order):
                at a time), then 600 warm requests over those prefixes with
                distinct tails, 16 in flight.
   unique       The same shape with no shared prefixes (Xavier's miss tax).
+  multiturn    ``--conversations`` chats of ``--turns`` turns through the chat API,
+               one request at a time, conversation after conversation: under round
+               robin (an even number of turns) each turn lands on the other
+               replica than the one before, so with Xavier a turn loads the
+               history, the previous answer included, instead of computing it.
+               TTFT per turn (turn 1 is cold everywhere).
 
 Round robin alternates the replicas; every request reads the replica that served
 it from the ``X-Xinference-Replica`` header, and the phases that need a given
@@ -37,6 +43,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +78,33 @@ class WorkloadShape:
     max_tokens: int = 64
 
 
+@dataclass(frozen=True, slots=True)
+class ConversationShape:
+    conversations: int = 32
+    turns: int = 4  # even: under round robin every turn changes replica
+    system_words: int = 400
+    user_words: int = 40
+    max_tokens: int = 64  # each answer
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ConversationShape:
+        return cls(
+            conversations=args.conversations,
+            turns=args.turns,
+            system_words=args.system_words,
+            user_words=args.user_words,
+            max_tokens=args.max_tokens,
+        )
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        defaults = ConversationShape()
+        parser.add_argument("--conversations", type=int, default=defaults.conversations)
+        parser.add_argument("--turns", type=int, default=defaults.turns)
+        parser.add_argument("--system-words", type=int, default=defaults.system_words)
+        parser.add_argument("--user-words", type=int, default=defaults.user_words)
+
+
 def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
@@ -81,19 +115,34 @@ class Client:
         self.model = model
 
     async def complete(self, prompt: list[int], max_tokens: int) -> Sample:
+        sample = await self._stream(
+            "/v1/completions",
+            dict(prompt=prompt, max_tokens=max_tokens),
+            lambda choice: choice.get("text", ""),
+        )
+        sample.prompt_tokens = sample.prompt_tokens or len(prompt)
+        return sample
+
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Sample:
+        """One streamed chat turn; ``text`` is the answer."""
+        return await self._stream(
+            "/v1/chat/completions",
+            dict(messages=messages, max_tokens=max_tokens),
+            lambda choice: choice.get("delta", {}).get("content", ""),
+        )
+
+    async def _stream(
+        self, url: str, fields: dict[str, Any], text_of: Callable[[dict], str]
+    ) -> Sample:
+        """A greedy streamed request; ``text_of`` reads a choice's new text."""
         body = dict(
-            model=self.model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            stream=True,
+            model=self.model, temperature=0.0, ignore_eos=True, stream=True, **fields
         )
         started = time.perf_counter()
         first: float | None = None
         text: list[str] = []
         usage: dict[str, Any] = {}
-        async with self.http.stream("POST", "/v1/completions", json=body) as response:
+        async with self.http.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
@@ -109,7 +158,7 @@ class Client:
                 for choice in event.get("choices", []):
                     if first is None:
                         first = time.perf_counter()
-                    text.append(choice.get("text", ""))
+                    text.append(text_of(choice))
         done = time.perf_counter()
         details = usage.get("prompt_tokens_details") or {}
         return Sample(
@@ -117,7 +166,7 @@ class Client:
             ttft_s=(first or done) - started,
             total_s=done - started,
             text="".join(text),
-            prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
             cached_tokens=int(details.get("cached_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
         )
@@ -263,6 +312,62 @@ async def phase_workload(
     return result
 
 
+def words(rng: random.Random, n: int) -> str:
+    """``n`` pseudo-words: chat text the offline tokenizers split into tokens."""
+    syllables = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "va")
+    return " ".join(
+        "".join(rng.choice(syllables) for _ in range(rng.randint(2, 3)))
+        for _ in range(n)
+    )
+
+
+async def phase_multiturn(
+    client: Client, shape: ConversationShape, seed: int
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    per_turn: list[list[Sample]] = [[] for _ in range(shape.turns)]
+    for _ in range(shape.conversations):
+        messages = [{"role": "system", "content": words(rng, shape.system_words)}]
+        for turn in range(shape.turns):
+            messages.append({"role": "user", "content": words(rng, shape.user_words)})
+            sample = await client.chat(messages, shape.max_tokens)
+            messages.append({"role": "assistant", "content": sample.text})
+            per_turn[turn].append(sample)
+    rows = []
+    for turn, samples in enumerate(per_turn, start=1):
+        rows.append(
+            {
+                "turn": turn,
+                "ttft_ms": [s.ttft_s * 1e3 for s in samples],
+                "ttft_p50_ms": statistics.median(s.ttft_s * 1e3 for s in samples),
+                "prompt_tokens_p50": statistics.median(
+                    s.prompt_tokens for s in samples
+                ),
+                "cached_tokens_p50": statistics.median(
+                    s.cached_tokens for s in samples
+                ),
+                # a turn on the replica that served the previous one reuses its
+                # own cache: the workload is meant to alternate
+                "same_replica_as_previous": sum(
+                    1
+                    for before, now in zip(
+                        per_turn[turn - 2] if turn > 1 else [],
+                        samples,
+                        strict=False,
+                    )
+                    if before.replica == now.replica
+                ),
+            }
+        )
+        row = rows[-1]
+        print(
+            f"  turn {turn}: TTFT p50 {row['ttft_p50_ms']:.1f} ms, prompt "
+            f"{row['prompt_tokens_p50']:.0f} tokens, cached {row['cached_tokens_p50']:.0f}",
+            flush=True,
+        )
+    return asdict(shape) | {"rows": rows}
+
+
 async def scrape(http: httpx.AsyncClient) -> dict[str, float]:
     """Every sample of /metrics, ``name{labels}`` -> value."""
     text = (await http.get("/metrics")).text
@@ -289,6 +394,10 @@ async def run(args: argparse.Namespace) -> None:
                 data = await phase_correctness(client, block_size)
             elif phase == "ttft":
                 data = await phase_ttft(client, args.lengths, args.runs, seed=7)
+            elif phase == "multiturn":
+                data = await phase_multiturn(
+                    client, ConversationShape.from_args(args), seed=2028
+                )
             elif phase in ("shared", "unique"):
                 shape = WorkloadShape(
                     groups=args.groups,
@@ -361,6 +470,7 @@ def report(paths: list[Path]) -> str:
                     f"{w['warm_output_tokens_per_s'] / b['warm_output_tokens_per_s']:.3f} "
                     f"of off, TTFT p50 x{w['warm_ttft_p50_ms'] / b['warm_ttft_p50_ms']:.3f}"
                 )
+    out += multiturn_report(runs)
     out.append("\nCorrectness (greedy, 32 tokens)")
     out.append(
         "| deployment | pair | prompt | shared full-block tokens | B cached | "
@@ -405,6 +515,41 @@ def report(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+def multiturn_report(runs: dict[str, Any]) -> list[str]:
+    """TTFT per turn of the multi-turn phase, each deployment against ``off``."""
+    with_phase = {
+        label: data["phases"]["multiturn"]
+        for label, data in runs.items()
+        if "multiturn" in data["phases"]
+    }
+    if not with_phase:
+        return []
+    base = with_phase.get("off")
+    first = next(iter(with_phase.values()))
+    out = [
+        f"\nMulti-turn chat: {first['conversations']} conversations x "
+        f"{first['turns']} turns, round robin (each turn on the other replica), "
+        f"TTFT p50 per turn (ms)",
+        "| deployment | "
+        + " | ".join(f"turn {r['turn']}" for r in first["rows"])
+        + " |",
+        "| --- |" + " ---: |" * len(first["rows"]),
+    ]
+    for label, phase in with_phase.items():
+        cells = []
+        for turn, row in enumerate(phase["rows"]):
+            cell = f"{row['ttft_p50_ms']:.1f}"
+            if base is not None and label != "off":
+                cell += (
+                    f" (x{row['ttft_p50_ms'] / base['rows'][turn]['ttft_p50_ms']:.2f})"
+                )
+            cells.append(cell)
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    if base is not None:
+        out.append("(xN: this deployment's p50 over off's, same turn)")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -423,6 +568,7 @@ def main() -> None:
     one.add_argument("--prefix-tokens", type=int, default=defaults.prefix_tokens)
     one.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     one.add_argument("--terminate", action="store_true")
+    ConversationShape.add_arguments(one)
     rep = sub.add_parser("report")
     rep.add_argument("files", type=Path, nargs="+")
     args = parser.parse_args()

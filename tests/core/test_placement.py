@@ -4,30 +4,52 @@ import pytest
 
 from xinference.core.placement import (
     DEFAULT_UCX_TLS,
+    describe_ucx,
     plan_replicas,
     replica_environment,
 )
 
 
-def test_xavier_replicas_get_nixl_pools_and_the_ucx_environment():
-    plan = plan_replicas(2, gpus=(), xavier=True, user_env={})
+def test_xavier_replicas_on_a_cuda_host_get_nixl_pools_and_the_cuda_transports():
+    plan = plan_replicas(2, gpus=("0", "1"), xavier=True, user_env={})
     assert [p.rank for p in plan] == [0, 1]
     for placement in plan:
         assert placement.address_scheme == "nixl"
-        assert placement.gpu is None
         assert placement.env_dict() == {
+            "CUDA_VISIBLE_DEVICES": placement.gpu,
             "UCX_MEMTYPE_CACHE": "n",
             "UCX_TLS": DEFAULT_UCX_TLS,
         }
+        assert placement.ucx == f"UCX_TLS={DEFAULT_UCX_TLS} (CUDA host)"
     assert DEFAULT_UCX_TLS == "tcp,cuda_copy,cuda_ipc"
 
 
-def test_a_user_ucx_tls_is_kept():
-    env = replica_environment(
-        xavier=True, gpu=None, user_env={"UCX_TLS": "rc,cuda_copy"}
-    )
+def test_without_cuda_ucx_picks_its_own_transports():
+    """No CUDA transports forced on a CPU host: UCX would warn that they are
+    missing, and a fixed list would shut out its shared-memory transports."""
+    plan = plan_replicas(2, gpus=(), xavier=True, user_env={})
+    for placement in plan:
+        assert placement.address_scheme == "nixl"
+        assert placement.gpu is None
+        assert placement.env_dict() == {}
+        assert "UCX picks its transports" in placement.ucx
+
+
+def test_a_user_ucx_tls_is_kept_and_reported():
+    user = {"UCX_TLS": "rc,cuda_copy"}
+    env = replica_environment(xavier=True, gpu=None, user_env=user, cuda_host=True)
     assert env["UCX_TLS"] == "rc,cuda_copy"
     assert env["UCX_MEMTYPE_CACHE"] == "n"
+    # Without CUDA the sub-pool inherits the user's UCX_TLS from the worker.
+    assert "UCX_TLS" not in replica_environment(
+        xavier=True, gpu=None, user_env=user, cuda_host=False
+    )
+    for cuda_host in (True, False):
+        assert (
+            describe_ucx(xavier=True, user_env=user, cuda_host=cuda_host)
+            == "UCX_TLS=rc,cuda_copy (set by you)"
+        )
+    assert describe_ucx(xavier=False, user_env=user, cuda_host=True) == ""
 
 
 def test_plain_replicas_get_plain_pools_and_no_ucx_settings():

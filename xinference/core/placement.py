@@ -2,7 +2,9 @@
 
 Every replica gets its own sub-pool process. With Xavier on, that pool listens on a
 ``nixl://`` address, so ``xo.copy_to`` between replicas' transfer actors is a NIXL
-write, and UCX is configured the way the GPU-first path needs it.
+write, and UCX is configured the way the GPU-first path needs it on a CUDA host; on
+a host without CUDA, UCX picks its own transports (shared memory between the local
+replicas' processes) unless the user set ``UCX_TLS``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from dataclasses import dataclass
 
 # The GPU-first path registers device memory with NIXL. UCX's memory-type cache can
 # misclassify CUDA IPC-mapped pointers, so it is switched off; the transport list keeps
-# TCP for control and host memory and adds the CUDA copy and IPC transports.
+# TCP for control and host memory and adds the CUDA copy and IPC transports. Neither
+# is set on a host without CUDA: there UCX would only complain that the CUDA
+# transports are missing, and a fixed list would shut out its shared-memory ones.
 UCX_MEMTYPE_CACHE = "n"
 DEFAULT_UCX_TLS = "tcp,cuda_copy,cuda_ipc"
 
@@ -39,26 +43,42 @@ class ReplicaPlacement:
     env: tuple[tuple[str, str], ...]
     gpu_memory_utilization: float | None = None
     shares_gpu: bool = False
+    # which UCX transports the replica's NIXL agent may use, and why (start-up report)
+    ucx: str = ""
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
 
 
 def replica_environment(
-    *, xavier: bool, gpu: str | None, user_env: Mapping[str, str]
+    *, xavier: bool, gpu: str | None, user_env: Mapping[str, str], cuda_host: bool
 ) -> dict[str, str]:
     """Variables a replica's sub-pool adds to the worker's own environment.
 
     ``user_env`` is the environment the user started the worker with: a ``UCX_TLS``
-    there is the user's choice and is kept.
+    there is the user's choice and is kept. ``cuda_host``: the worker sees CUDA
+    devices.
     """
     env: dict[str, str] = {}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
-    if xavier:
+    if xavier and cuda_host:
         env["UCX_MEMTYPE_CACHE"] = UCX_MEMTYPE_CACHE
         env["UCX_TLS"] = user_env.get("UCX_TLS") or DEFAULT_UCX_TLS
     return env
+
+
+def describe_ucx(*, xavier: bool, user_env: Mapping[str, str], cuda_host: bool) -> str:
+    """One line for the start-up report: the UCX transports replicas may use."""
+    if not xavier:
+        return ""
+    if user_env.get("UCX_TLS"):
+        return f"UCX_TLS={user_env['UCX_TLS']} (set by you)"
+    if cuda_host:
+        return f"UCX_TLS={DEFAULT_UCX_TLS} (CUDA host)"
+    return (
+        "UCX picks its transports (no CUDA here: shared memory between local replicas)"
+    )
 
 
 def plan_replicas(
@@ -74,9 +94,13 @@ def plan_replicas(
     assigned = [
         gpus[rank % len(gpus)] if gpus else None for rank in range(num_replicas)
     ]
+    cuda_host = bool(gpus)
+    ucx = describe_ucx(xavier=xavier, user_env=user_env, cuda_host=cuda_host)
     placements = []
     for rank, gpu in enumerate(assigned):
-        env = replica_environment(xavier=xavier, gpu=gpu, user_env=user_env)
+        env = replica_environment(
+            xavier=xavier, gpu=gpu, user_env=user_env, cuda_host=cuda_host
+        )
         sharing = assigned.count(gpu) if gpu is not None else 1
         placements.append(
             ReplicaPlacement(
@@ -88,6 +112,7 @@ def plan_replicas(
                     round(SHARED_GPU_BUDGET / sharing, 3) if sharing > 1 else None
                 ),
                 shares_gpu=sharing > 1,
+                ucx=ucx,
             )
         )
     return placements

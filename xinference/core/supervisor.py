@@ -74,6 +74,7 @@ class _Deployment:
     replicas: dict[int, ReplicaInfo] = field(default_factory=dict)  # rank -> loaded
     models: dict[int, Any] = field(default_factory=dict)  # rank -> model actor ref
     model_path: str = ""
+    ucx: str = ""  # the UCX transports the replicas may use (placement's account)
 
     def progress(self) -> LaunchProgress:
         return LaunchProgress(
@@ -168,6 +169,7 @@ class SupervisorActor(xo.StatelessActor):
             record.worker.plan(spec.replica, spec.xavier.enabled), RPC_TIMEOUT_S
         )
         record.detail = f"starting {spec.replica} replica sub-pool(s)"
+        record.ucx = placements[0].ucx if placements else ""
 
         async def start_pool(rank: int) -> None:
             record.addresses[rank] = await _deadline(
@@ -387,7 +389,9 @@ class SupervisorActor(xo.StatelessActor):
             replicas=tuple(record.replicas[rank] for rank in sorted(record.replicas)),
             router=spec.router,
             xavier_enabled=spec.xavier.enabled,
-            xavier_description=spec.xavier.describe(),
+            xavier_description="; ".join(
+                part for part in (spec.xavier.describe(), record.ucx) if part
+            ),
             tracker_address=self.address if record.tracker is not None else None,
             tracker_uid=tracker_uid(spec.model_uid) if record.tracker else None,
             hash_namespace=_one_namespace(record.replicas.values()),

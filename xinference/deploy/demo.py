@@ -2,17 +2,22 @@
 
     python -m xinference.deploy.demo [--workdir .demo] [--groups 8] [--per-group 4]
 
-Builds the tiny offline model, starts a local cluster (supervisor, worker, HTTP
-server) in this process, then twice launches two replicas -- Xavier off, then
-Xavier on -- and sends the same shared-prefix workload through the HTTP API
-(streamed, to time the first token). Prints one table and exits 0 only if every
-request succeeded, Xavier served remote hits, and both runs produced the same text.
+Builds a small model offline (random weights, 8 layers of width 512: enough that
+prefilling a long prompt costs more on CPU than loading its KV), starts a local
+cluster (supervisor, worker, HTTP server) in this process, then twice launches two
+replicas -- Xavier off, then Xavier on -- and sends the same shared-prefix workload
+through the HTTP API (streamed, to time the first token). Prints one table and exits
+0 only if every request succeeded, Xavier served remote hits, and both runs produced
+the same text. Everything the engines, xoscar and UCX log goes to a file under
+``$XINFERENCE_HOME/logs`` (its path is printed first); the terminal shows progress
+and the table.
 
-The workload: ``groups`` distinct prefixes of ``prefix_blocks`` full KV blocks, each
-followed by ``per_group`` different questions, sent one at a time so that a prefix
-is published before its next request arrives. Round-robin puts consecutive requests
-on alternating replicas, so the second request of every group lands on the replica
-that has not seen the prefix: with Xavier it loads the prefix from its peer.
+The workload: ``groups`` distinct long system prompts (about 1,500 tokens each),
+each followed by ``per_group`` different questions, sent one at a time so that a
+prefix is published before its next request arrives. Round-robin puts consecutive
+requests on alternating replicas, so the second request of every group lands on the
+replica that has not seen the prefix: with Xavier it loads the prefix from its peer
+instead of computing it.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from ..core.registry import xinference_home
 
 MODEL_UID = "xavier-demo"
 BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
@@ -40,7 +48,21 @@ BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
 # have nothing to do with the KV that Xavier moves. In float32 they are identical.
 DTYPE = "float32"
 LAUNCH_TIMEOUT_S = 900.0
-REQUEST_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 300.0
+# The demo model: Qwen2 with random weights, built offline. Chosen by measuring on a
+# 2-core machine: the 2-layer test model prefills 500 tokens in a few milliseconds,
+# about what a remote load costs, so Xavier could show no saving; 8 layers of width
+# 512 make a 1,500-token prefill cost far more than loading its KV (8 layers x 2 KV
+# heads of 64 float32 values, K and V: 8 KiB per token), and a run still takes a
+# few minutes.
+DEMO_MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    initializer_range=0.05,
+)
 
 logger = logging.getLogger("xinference.demo")
 
@@ -49,7 +71,7 @@ logger = logging.getLogger("xinference.demo")
 class Workload:
     groups: int = 8
     per_group: int = 4
-    prefix_words: int = 240  # comfortably more than 8 blocks of 32 tokens
+    prefix_words: int = 700  # about 1,500 tokens with the demo tokenizer
     max_tokens: int = 16
 
     def prompts(self) -> list[str]:
@@ -114,10 +136,12 @@ async def run(args: argparse.Namespace) -> int:
     workload = Workload(groups=args.groups, per_group=args.per_group)
     prompts = workload.prompts()
     workdir = Path(args.workdir)  # made absolute in main()
-    _say(f"building the tiny model in {workdir} (offline)")
-    model_path = await asyncio.to_thread(build_tiny_qwen2, workdir / "tiny-qwen2")
+    say(f"building the demo model in {workdir} (offline, random weights)")
+    model_path = await asyncio.to_thread(
+        build_tiny_qwen2, workdir / "demo-qwen2", **DEMO_MODEL
+    )
     cluster = await start_local_cluster(port=0)
-    _say(f"cluster at {cluster.endpoint}")
+    say(f"cluster at {cluster.endpoint}")
     results: list[RunResult] = []
     try:
         async with httpx.AsyncClient(
@@ -130,7 +154,7 @@ async def run(args: argparse.Namespace) -> int:
     finally:
         await cluster.stop()
     off, on = results
-    print(_table(off, on, workload))
+    show(_table(off, on, workload))
     return _verdict(off, on, len(prompts))
 
 
@@ -154,27 +178,32 @@ async def _one_run(
     if xavier:
         options |= dict(enable_xavier=True, xavier_gpu_cache_bytes=args.gpu_cache_bytes)
     label = "on" if xavier else "off"
-    _say(f"launching 2 CPU replicas, Xavier {label} (engines load in about a minute)")
+    say(f"launching 2 CPU replicas, Xavier {label} (engines load in about a minute)")
     started = time.monotonic()
     response = await http.post("/v1/models", json=options, timeout=LAUNCH_TIMEOUT_S)
     if response.status_code != 200:
         raise RuntimeError(f"launch failed: {response.text}")
     deployment = response.json()
     result = RunResult(xavier=xavier, launch_s=time.monotonic() - started)
-    _say(f"ready in {result.launch_s:.0f} s; {deployment['xavier']}")
+    say(f"ready in {result.launch_s:.0f} s; {deployment['xavier']}")
     try:
         for index, prompt in enumerate(prompts):
             result.requests.append(await _request(http, prompt, workload.max_tokens))
             if not result.requests[-1].ok:
-                _say(f"request {index} failed: {result.requests[-1].error}")
+                say(f"request {index} failed: {result.requests[-1].error}")
+            if (index + 1) % workload.per_group == 0:
+                say(
+                    f"  {index + 1}/{len(prompts)} requests, TTFT p50 so far "
+                    f"{result.ttft_p50_ms():.0f} ms"
+                )
         result.metrics = _scrape((await http.get("/metrics")).text)
     finally:
         response = await http.delete(f"/v1/models/{MODEL_UID}")
         if response.status_code == 200:
             result.counters_at_shutdown = response.json()["xavier_counters"]
         else:
-            _say(f"terminate failed: {response.text}")
-    _say(
+            say(f"terminate failed: {response.text}")
+    say(
         f"Xavier {label}: {result.succeeded}/{len(prompts)} requests ok, "
         f"TTFT p50 {result.ttft_p50_ms():.1f} ms"
     )
@@ -279,9 +308,10 @@ def _table(off: RunResult, on: RunResult, workload: Workload) -> str:
     width = max(len(row[0]) for row in rows)
     lines = [
         "",
-        f"Shared-prefix workload: {workload.groups} prefixes x {workload.per_group} "
-        f"requests, 2 CPU replicas, {DTYPE}, block size {BLOCK_SIZE}, greedy, "
-        f"{workload.max_tokens} new tokens",
+        f"Shared-prefix workload: {workload.groups} system prompts of "
+        f"{workload.prefix_words} words x {workload.per_group} requests, 2 CPU "
+        f"replicas of a {DEMO_MODEL['num_hidden_layers']}-layer model, {DTYPE}, "
+        f"block size {BLOCK_SIZE}, greedy, {workload.max_tokens} new tokens",
         f"{'':<{width}}  {'Xavier off':>14}  {'Xavier on':>14}",
     ]
     lines += [f"{name:<{width}}  {a:>14}  {b:>14}" for name, a, b in rows]
@@ -307,14 +337,41 @@ def _verdict(off: RunResult, on: RunResult, expected: int) -> int:
     if differing:
         problems.append(f"outputs differ between the runs at requests {differing}")
     for problem in problems:
-        print(f"FAILED: {problem}")
+        show(f"FAILED: {problem}")
     if not problems:
-        print("OK: every request succeeded, Xavier shared prefixes, outputs identical")
+        show("OK: every request succeeded, Xavier shared prefixes, outputs identical")
     return 1 if problems else 0
 
 
-def _say(message: str) -> None:
-    print(f"[demo] {message}", flush=True)
+# Where the demo's own lines go: the terminal, once everything else goes to the log.
+_terminal: TextIO = sys.stdout
+
+
+def show(text: str) -> None:
+    print(text, file=_terminal, flush=True)
+
+
+def say(message: str) -> None:
+    show(f"[demo] {message}")
+
+
+def send_output_to(log_path: Path) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2, so the
+    engine and pool processes it starts inherit them, and C libraries such as UCX
+    write there too) at ``log_path``; ``say`` and ``show`` keep writing to the
+    terminal."""
+    global _terminal
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = os.fdopen(os.dup(1), "w", buffering=1)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    finally:
+        os.close(log)
+    _terminal = terminal
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,6 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.workdir = os.path.abspath(args.workdir)
+    log_path = xinference_home() / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    say(f"engine, pool and UCX logs: {log_path}")
+    send_output_to(log_path)
     # CPU engines: 1 GiB of KV cache each, nothing downloaded, quiet vLLM logs.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

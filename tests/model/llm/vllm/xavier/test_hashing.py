@@ -7,6 +7,7 @@ import pytest
 from xinference.model.llm.vllm.xavier import hashing
 from xinference.model.llm.vllm.xavier.hashing import (
     block_hash,
+    extend_full_blocks,
     hash_full_blocks,
     root_hash,
 )
@@ -79,3 +80,20 @@ def test_bad_input():
         hash_full_blocks([1, 2], 0, "m")
     with pytest.raises(ValueError, match="16 bytes"):
         block_hash(b"short", [1])
+
+
+def test_extending_a_growing_sequence_equals_hashing_it_whole():
+    """Generated tokens are hashed a block at a time as they arrive; the keys must
+    be those a later prompt holding the same tokens gets."""
+    tokens = list(range(1000, 1037))
+    grown: list[bytes] = []
+    for length in (0, 3, 8, 9, 20, 37):
+        extend_full_blocks(grown, tokens[:length], 4, "m")
+        assert grown == hash_full_blocks(tokens[:length], 4, "m")
+    assert len(grown) == 9
+
+
+def test_extending_refuses_more_hashes_than_tokens():
+    hashes = hash_full_blocks(list(range(8)), 4, "m")
+    with pytest.raises(ValueError, match="2 block hashes for only 7 tokens"):
+        extend_full_blocks(hashes, list(range(7)), 4, "m")

@@ -1,4 +1,4 @@
-"""Deterministic, chained hashes of prompt token blocks.
+"""Deterministic, chained hashes of token blocks (a prompt, then generated tokens).
 
 Every replica must compute the same key for the same prefix, whatever its
 ``PYTHONHASHSEED`` is, so Python's ``hash`` is out; we use xxh3-128 over an explicit
@@ -60,11 +60,33 @@ def hash_full_blocks(
     token_ids: Sequence[int], block_size: int, namespace: str
 ) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids``; a partial tail is ignored."""
+    hashes: list[BlockHash] = []
+    extend_full_blocks(hashes, token_ids, block_size, namespace)
+    return hashes
+
+
+def extend_full_blocks(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    namespace: str,
+) -> None:
+    """Append to ``hashes`` (the chain of ``token_ids``' first ``len(hashes)`` full
+    blocks) the hashes of its further full blocks.
+
+    A sequence that grows (a request's generated tokens) is hashed once per block:
+    the result equals ``hash_full_blocks`` over all of ``token_ids``.
+    """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    parent = root_hash(namespace)
-    hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    if len(hashes) * block_size > len(token_ids):
+        raise ValueError(
+            f"{len(hashes)} block hashes for only {len(token_ids)} tokens of "
+            f"{block_size} per block"
+        )
+    parent = hashes[-1] if hashes else root_hash(namespace)
+    for start in range(
+        len(hashes) * block_size, len(token_ids) - block_size + 1, block_size
+    ):
         parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
-    return hashes

@@ -90,6 +90,11 @@ PROMPT_EVICTED = tokens(300, 4 * BLOCK_SIZE + 5)
 PROMPT_REFUSED = tokens(301, 4 * BLOCK_SIZE + 5)
 PROMPT_GONE = tokens(302, 4 * BLOCK_SIZE + 5)
 WARMUP = {0: tokens(900, 40), 1: tokens(901, 40)}
+# A conversation: turn 1 (2 full blocks and a tail) answered with 64 tokens, then
+# turn 2 = turn 1 + the answer + the next user message.
+TURN1 = tokens(500, 2 * BLOCK_SIZE + 10)
+TURN1_MAX_TOKENS = 64
+USER2 = tokens(501, 20)
 # Contained faults: (holder's prompt, loader's prompt) sharing 4 full blocks.
 FAULT_PAIRS = {
     name: (prefix + tokens(seed + 1, 9), prefix + tokens(seed + 2, 13))
@@ -148,6 +153,11 @@ class Deployment:
             for prompt in ALL_PROMPTS:
                 (completion,) = engine.generate([prompt], MAX_TOKENS)
                 self.reference[tuple(prompt)] = completion.token_ids
+            (answer,) = engine.generate([TURN1], TURN1_MAX_TOKENS)
+            self.reference[tuple(TURN1)] = answer.token_ids
+            turn2 = self.turn2(answer.token_ids)
+            (completion,) = engine.generate([turn2], MAX_TOKENS)
+            self.reference[tuple(turn2)] = completion.token_ids
         finally:
             engine.stop()
 
@@ -181,6 +191,10 @@ class Deployment:
             yield
         finally:
             path.unlink()
+
+    @staticmethod
+    def turn2(answer: tuple[int, ...]) -> list[int]:
+        return TURN1 + list(answer) + USER2
 
     def expected(self, prompt: list[int]) -> tuple[int, ...]:
         return self.reference[tuple(prompt)]
@@ -255,6 +269,28 @@ def test_synchronous_load_the_other_way_matches_recompute(deployment):
     assert xavier_external_tokens(a) == 4 * BLOCK_SIZE
     assert (a.kv_transfer_params or {})["xavier_holder_rank"] == 1
     assert a.token_ids == deployment.expected(PROMPT_R_A)
+
+
+def test_the_next_turn_on_the_other_replica_loads_the_answer_too(deployment):
+    """Turn 1 on A; turn 2 (turn 1, A's answer, a new message) on B: B loads the
+    blocks of A's answer as well as the prompt's, and answers as A does from its
+    own prefix cache."""
+    (first,) = deployment.engines[0].generate([TURN1], TURN1_MAX_TOKENS)
+    assert first.token_ids == deployment.expected(TURN1)
+    turn2 = deployment.turn2(first.token_ids)
+    # A computed KV for every token but the last one it generated (sampled, never
+    # fed back): those full blocks are what B can load.
+    held_blocks = (len(TURN1) + len(first.token_ids) - 1) // BLOCK_SIZE
+    prompt_blocks = len(TURN1) // BLOCK_SIZE
+    assert held_blocks >= prompt_blocks + 2  # the answer fills blocks of its own
+
+    remote = serve(deployment, 1, turn2)
+    assert xavier_external_tokens(remote) == held_blocks * BLOCK_SIZE
+    assert (remote.kv_transfer_params or {})["xavier_holder_rank"] == 0
+    local = serve(deployment, 0, turn2)  # a local prefix-cache hit on A
+    assert xavier_external_tokens(local) == 0
+    assert local.num_cached_tokens >= held_blocks * BLOCK_SIZE
+    assert remote.token_ids == local.token_ids == deployment.expected(turn2)
 
 
 def test_corrupted_transfer_changes_the_output(deployment):

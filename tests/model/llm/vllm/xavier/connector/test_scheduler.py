@@ -307,8 +307,11 @@ def test_allocation_turns_the_reservation_into_a_load(loop, tracker):
     assert item.load.dst_block_ids == (8, 9)
     assert item.load.grant.keys == tuple(keys[1:3])
     assert item.load.holder_address == "nixl://holder"
-    # The loaded and the local blocks are not staged again; block 3 became full.
-    assert [(s.key, s.block_id) for s in step.stage] == [(keys[3], 10)]
+    # The loaded and the local blocks are not staged again; block 3 became full
+    # in the forward that reads the loaded blocks: staged only if the load worked.
+    assert step.stage == ()
+    assert [(s.key, s.block_id) for s in step.items_to_stage(set())] == [(keys[3], 10)]
+    assert step.items_to_stage({9}) == []
     # The lease now belongs to the load: finishing the request does not release it.
     assert side.request_finished("r") == {
         "xavier_external_tokens": 2 * BS,
@@ -493,3 +496,105 @@ def test_a_load_the_worker_reports_failed_is_not_reported_as_a_hit(loop, tracker
     side.loads_failed({15})
     assert side.request_finished("s") is None
     assert side.stats["loads_failed"] == 1
+
+
+def test_generated_tokens_are_staged_under_the_chain_of_prompt_and_answer(
+    loop, tracker
+):
+    """Decode fills blocks of generated tokens: each is staged once, in the step
+    whose forward computes its last token, under the key a later prompt holding
+    the same tokens (the next turn of the conversation) looks up."""
+    side = make_side(loop, tracker, Holder())
+    prompt = list(range(500, 506))  # 1 full block and a tail of 2
+    tokens = list(prompt)  # vLLM's live view: it grows as tokens are generated
+    side.num_new_matched_tokens("r", prompt, 0, all_token_ids=tokens)
+    side.on_allocated("r", [[7, 8]], 0)
+    prefill = side.build_step([ScheduledRequest("r", 0, 6, [7, 8], whole_table=True)])
+    staged = [(s.key, s.block_id) for s in prefill.stage]
+    for step, sampled in enumerate([41, 42, 43, 44, 45]):
+        tokens.append(sampled)  # sampled by the previous forward
+        decode = side.build_step(
+            [ScheduledRequest("r", 6 + step, 1, [9] if len(tokens) == 9 else [])]
+        )
+        staged += [(s.key, s.block_id) for s in decode.stage]
+    keys = hash_full_blocks(tokens, BS, NS)
+    # 11 tokens known, 10 computed (the last sampled one is computed next step).
+    assert staged == [(keys[0], 7), (keys[1], 8)]
+    assert len(keys) == 2
+    tokens.append(46)
+    last = side.build_step([ScheduledRequest("r", 11, 1, [])])
+    assert [(s.key, s.block_id) for s in last.stage] == [
+        (hash_full_blocks(tokens, BS, NS)[2], 9)
+    ]
+
+
+def test_a_block_waits_until_vllm_hands_over_its_last_token(loop, tracker):
+    """With asynchronous scheduling vLLM computes a token before the connector
+    sees its id: the block is staged at a later step, never under a key guessed
+    from fewer tokens."""
+    side = make_side(loop, tracker, Holder())
+    prompt = list(range(600, 607))  # 1 full block and a tail of 3
+    tokens = list(prompt)
+    side.num_new_matched_tokens("r", prompt, 0, all_token_ids=tokens)
+    side.build_step([ScheduledRequest("r", 0, 7, [1, 2], whole_table=True)])
+    # Position 7 is computed now, but its token id is not known yet.
+    assert side.build_step([ScheduledRequest("r", 7, 1, [])]).stage == ()
+    tokens.append(77)
+    later = side.build_step([ScheduledRequest("r", 8, 1, [3])])
+    assert [(s.key, s.block_id) for s in later.stage] == [
+        (hash_full_blocks(tokens, BS, NS)[1], 2)
+    ]
+
+
+def test_a_prompt_that_is_not_the_start_of_the_tokens_is_refused(loop, tracker):
+    side = make_side(loop, tracker, Holder())
+    with pytest.raises(ValueError, match="does not start with its prompt"):
+        side.num_new_matched_tokens("r", [1, 2, 3], 0, all_token_ids=[1, 2, 4])
+
+
+def test_blocks_recomputed_after_a_failed_load_are_staged(loop, tracker):
+    """A synchronous load fails: the blocks computed in its forward on top of the
+    loaded ones are not published, and after vLLM recomputes from the first failed
+    block, every block from there on is staged with its right key."""
+    holder = Holder()
+    prompt = list(range(900, 917))  # 4 full blocks and a tail of 1
+    keys = publish(tracker, holder, prompt[:8])  # the holder has 2 blocks
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (2 * BS, False)
+    side.on_allocated("r", [[20, 21, 22, 23, 24]], 2 * BS)
+    step = side.build_step(
+        [ScheduledRequest("r", 2 * BS, 9, [20, 21, 22, 23, 24], whole_table=True)]
+    )
+    assert step.stage == ()
+    all_keys = hash_full_blocks(prompt, BS, NS)
+    assert [(s.key, s.block_id) for s in step.items_to_stage(set())] == [
+        (all_keys[2], 22),
+        (all_keys[3], 23),
+    ]
+    assert step.items_to_stage({21}) == []  # what the worker does on failure
+    side.loads_failed({21})
+    assert side.stats["loads_failed"] == 1
+    # vLLM truncates the computed tokens to the failed block and recomputes.
+    again = side.build_step([ScheduledRequest("r", BS, 13, [])])
+    assert [(s.key, s.block_id) for s in again.stage] == [
+        (keys[1], 21),
+        (all_keys[2], 22),
+        (all_keys[3], 23),
+    ]
+    assert side.request_finished("r") is None  # nothing came from a peer
+
+
+def test_a_load_that_cannot_start_stages_nothing_in_its_step(loop, tracker):
+    holder = Holder()
+    prompt = list(range(950, 963))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    side.num_new_matched_tokens("r", prompt, 0)
+    side.on_allocated("r", [[None, 5, 6, 7]], 2 * BS)
+    step = side.build_step(
+        [ScheduledRequest("r", 2 * BS, 5, [0, 5, 6, 7], whole_table=True)]
+    )
+    assert step.items_to_stage(set()) == []
+    side.loads_failed({5})
+    again = side.build_step([ScheduledRequest("r", BS, 9, [])])
+    assert [s.block_id for s in again.stage] == [5, 6]  # 7 holds the tail

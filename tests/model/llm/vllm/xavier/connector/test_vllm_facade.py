@@ -149,6 +149,7 @@ def request(req_id: str = "r") -> Any:
     return types.SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=list(range(100)),
+        all_token_ids=list(range(100)),
         skip_reading_prefix_cache=False,
     )
 

@@ -10,7 +10,9 @@ Per request it
 2. asks the tracker for the longest prefix another replica holds, beyond the blocks
    vLLM already has locally, and reserves leases on the holder's snapshots;
 3. after vLLM allocated destination blocks, turns the reservation into a load;
-4. each step, names the prompt blocks that became full, to stage and publish them;
+4. each step, names the blocks that became full, to stage and publish them: prompt
+   blocks, blocks of generated tokens (a later turn of the conversation, on another
+   replica, starts with them) and blocks recomputed after a failed load;
 5. releases a reservation that never became a load when the request goes away.
 
 A failed, refused or late answer from a peer is a miss: the engine computes the
@@ -28,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..aio import BackgroundLoop, with_deadline
-from ..hashing import BlockHash, hash_full_blocks
+from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
 from ..wire import LeaseGrant, LoadRequest, PrefixHit, ReplicaIdentity, StageItem
-from .step import RequestLoad, ScheduledRequest, StepMetadata
+from .step import RequestLoad, ScheduledRequest, StageAfterLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +63,23 @@ class _Reservation:
 
 @dataclass(slots=True)
 class _RequestState:
-    prompt_keys: list[BlockHash]  # full blocks of the whole prompt
+    # The request's tokens, prompt first: a read-only view that vLLM extends with
+    # each generated token (or a copy of the prompt when none was handed over).
+    tokens: Sequence[int]
     num_prompt_tokens: int
-    staged_upto: int = 0  # prompt blocks [0, staged_upto) need no staging here
+    # Chain hashes of the full blocks of ``tokens`` hashed so far (the prompt's
+    # from the start, generated blocks as they fill): keys[i] names exactly the
+    # tokens of block i and everything before it.
+    keys: list[BlockHash]
+    staged_upto: int = 0  # blocks [0, staged_upto) need no staging here
     reservation: _Reservation | None = None
     holder_rank: int | None = None
     loaded_into: tuple[int, ...] = ()  # the engine blocks its load writes
+    # The load planned for the request, started or not: its first block position
+    # and the engine blocks from there (None: no destination). A failed one is
+    # recomputed by vLLM from its first failed block, which is staged again.
+    load_first: int = 0
+    load_blocks: tuple[int | None, ...] = ()
     # group 0's block table, position -> block id, rebuilt from each step's
     # scheduler output; None until vLLM has sent the whole table once
     block_ids: list[int] | None = None
@@ -157,8 +170,14 @@ class SchedulerSide:
         prompt_token_ids: Sequence[int],
         num_computed_tokens: int,
         allow_remote: bool = True,
+        all_token_ids: Sequence[int] | None = None,
     ) -> tuple[int, bool]:
         """Tokens a peer can supply beyond ``num_computed_tokens``, and whether async.
+
+        ``all_token_ids`` is the request's live token sequence (the prompt, then
+        every generated token as vLLM appends it); with it, blocks of generated
+        tokens are staged too. It is read, never modified, and only up to the
+        tokens whose KV a step computed.
 
         vLLM may ask again for the same request (when it could not schedule it): a
         standing reservation that still fits is reused, otherwise it is released
@@ -168,7 +187,7 @@ class SchedulerSide:
         it, later questions are answered with 0 (vLLM asks again after a failed
         load; a fault that repeats must not make it retry forever).
         """
-        state = self._state_for(req_id, prompt_token_ids)
+        state = self._state_for(req_id, prompt_token_ids, all_token_ids)
         block_size = self._settings.block_size
         local_blocks = num_computed_tokens // block_size
         # Only the prompt minus its last token can be supplied.
@@ -191,7 +210,7 @@ class SchedulerSide:
 
         self.stats["lookups"] += 1
         reservation = self._lookup_and_reserve(
-            req_id, state.prompt_keys[:lookup_blocks], local_blocks
+            req_id, state.keys[:lookup_blocks], local_blocks
         )
         if reservation is None:
             return 0, False
@@ -311,6 +330,7 @@ class SchedulerSide:
         first = reservation.first_block
         group = block_ids[0] if block_ids else ()
         destinations = list(group[first : first + num_blocks])
+        state.load_first, state.load_blocks = first, tuple(destinations)
         if len(destinations) != num_blocks or any(b is None for b in destinations):
             # vLLM counts these tokens as external already: the worker reports the
             # real destinations as failed so vLLM recomputes them.
@@ -355,20 +375,35 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if state is not None:
             state.load_attempted = True
+            state.load_first, state.load_blocks = 0, tuple(block_ids)
         self._new_loads = [item for item in self._new_loads if item.req_id != req_id]
         failed = tuple(b for b in block_ids if b is not None)
         self._new_loads.append(RequestLoad(req_id, None, failed))
 
     def loads_failed(self, block_ids: set[int]) -> None:
         """The worker reported ``block_ids`` as not loaded (vLLM recomputes them):
-        a request whose load wrote any of them did not get its blocks from a peer.
+        a request whose load wrote any of them did not get its blocks from a peer,
+        and computes them itself from the first failed one on, so those blocks
+        are staged again as they fill.
         """
         if not block_ids:
             return
         for state in self._requests.values():
-            if block_ids.intersection(state.loaded_into):
+            failed_at = next(
+                (
+                    state.load_first + offset
+                    for offset, block in enumerate(state.load_blocks)
+                    if block in block_ids
+                ),
+                None,
+            )
+            if failed_at is None:
+                continue
+            if state.loaded_into:
                 self.stats["loads_failed"] += 1
                 state.loaded_into = ()
+            state.load_blocks = ()
+            state.staged_upto = min(state.staged_upto, failed_at)
 
     def fail_pending_loads(self) -> StepMetadata:
         """A step that only fails the loads decided since the last step (building
@@ -391,9 +426,23 @@ class SchedulerSide:
     # ---- per step ---------------------------------------------------------------
 
     def build_step(self, scheduled: Sequence[ScheduledRequest]) -> StepMetadata:
-        """Loads to start and blocks to stage this step; resets the step state."""
+        """Loads to start and blocks to stage this step; resets the step state.
+
+        A block is staged in the step whose forward completes its KV, or later
+        while its request is still scheduled (a generated token vLLM has not
+        handed over yet), never before all of its tokens are known: its key is
+        the chain hash of exactly those tokens. Blocks a request computes in the
+        same forward as its synchronous load are staged only if that load
+        succeeds (their KV attended to the loaded blocks).
+        """
         block_size = self._settings.block_size
+        loads, self._new_loads = tuple(self._new_loads), []
+        # a synchronous load fills its blocks before this step's forward
+        loading_now = (
+            {} if self._settings.load_async else {item.req_id: item for item in loads}
+        )
         stage: list[StageItem] = []
+        conditional: list[StageAfterLoad] = []
         for item in scheduled:
             state = self._requests.get(item.req_id)
             if state is None:
@@ -408,18 +457,44 @@ class SchedulerSide:
                 # we support): staging by guessed positions could publish the wrong
                 # block under a key, so this request publishes nothing.
                 continue
+            # KV exists after this forward for the computed and scheduled tokens;
+            # of those, only the ones vLLM already handed over have known ids.
             done_tokens = min(
                 item.num_computed_tokens + item.num_scheduled_tokens,
-                state.num_prompt_tokens,
+                len(state.tokens),
             )
-            full = min(done_tokens // block_size, len(state.prompt_keys))
-            for index in range(state.staged_upto, min(full, len(table))):
-                stage.append(StageItem(state.prompt_keys[index], table[index]))
+            full = min(done_tokens // block_size, len(table))
+            if full > len(state.keys):
+                extend_full_blocks(
+                    state.keys,
+                    state.tokens[: full * block_size],
+                    block_size,
+                    self._settings.namespace,
+                )
+            items = tuple(
+                StageItem(state.keys[index], table[index])
+                for index in range(state.staged_upto, full)
+            )
             state.staged_upto = max(state.staged_upto, full)
-        loads, self._new_loads = tuple(self._new_loads), []
-        self.stats["staged_blocks"] += len(stage)
+            if not items:
+                continue
+            load = loading_now.get(item.req_id)
+            if load is not None and load.load is None:
+                # The load cannot start: vLLM recomputes the request from its
+                # first failed block (loads_failed stages those blocks again).
+                continue
+            if load is not None and load.load is not None:
+                conditional.append(StageAfterLoad(load.load.dst_block_ids, items))
+            else:
+                stage.extend(items)
+        self.stats["staged_blocks"] += len(stage) + sum(
+            len(c.items) for c in conditional
+        )
         return StepMetadata(
-            loads=loads, stage=tuple(stage), load_async=self._settings.load_async
+            loads=loads,
+            stage=tuple(stage),
+            load_async=self._settings.load_async,
+            stage_after_load=tuple(conditional),
         )
 
     # ---- end of a request -------------------------------------------------------
@@ -447,15 +522,28 @@ class SchedulerSide:
 
     # ---- helpers ----------------------------------------------------------------
 
-    def _state_for(self, req_id: str, prompt_token_ids: Sequence[int]) -> _RequestState:
+    def _state_for(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        all_token_ids: Sequence[int] | None,
+    ) -> _RequestState:
         state = self._requests.get(req_id)
         if state is None:
+            prompt = list(prompt_token_ids)
+            if (
+                all_token_ids is not None
+                and list(all_token_ids[: len(prompt)]) != prompt
+            ):
+                raise ValueError(
+                    f"request {req_id}: its token sequence does not start with its "
+                    "prompt"
+                )
             keys = hash_full_blocks(
-                list(prompt_token_ids),
-                self._settings.block_size,
-                self._settings.namespace,
+                prompt, self._settings.block_size, self._settings.namespace
             )
-            state = _RequestState(keys, len(prompt_token_ids))
+            tokens = prompt if all_token_ids is None else all_token_ids
+            state = _RequestState(tokens, len(prompt), keys)
             self._requests[req_id] = state
         return state
 

@@ -208,6 +208,9 @@ class XavierConnector(KVConnectorBase_V1):
                 prompt,
                 num_computed_tokens,
                 allow_remote=not request.skip_reading_prefix_cache,
+                # vLLM appends generated tokens to this view: their blocks are
+                # staged too, for the next turn of a conversation.
+                all_token_ids=request.all_token_ids,
             )
         except Exception as exc:
             self._faults.record("get_num_new_matched_tokens", exc)

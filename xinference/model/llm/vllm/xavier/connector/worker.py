@@ -8,10 +8,10 @@ by the model runner once per step. It
 - starts the loads the scheduler half decided; a synchronous load is waited for
   before the forward (the CPU runner zeroes new blocks just before, so writes must
   land after that and before attention); an asynchronous one is polled each step;
-- after the forward, copies the prompt blocks that became full into its staging
-  ring, with copies queued on the engine's stream so nothing the engine writes next
-  can overtake them, and hands the ring slots to the actor, which snapshots and
-  publishes them in the background (``staging_ring.py`` says why);
+- after the forward, copies the blocks that became full (prompt or generated) into
+  its staging ring, with copies queued on the engine's stream so nothing the engine
+  writes next can overtake them, and hands the ring slots to the actor, which
+  snapshots and publishes them in the background (``staging_ring.py`` says why);
 - reports finished loads (aborted requests included, once their in-flight writes
   are over) and the blocks whose load failed, so vLLM recomputes them.
 
@@ -401,18 +401,19 @@ class WorkerSide:
         stagings to free their slots). Without one, waits for the actor's copy:
         the blocks are certain to hold this request's KV only until the next step.
         """
-        if not step.stage or self._actor is None:
+        # This step's failed synchronous loads are known here (reported to vLLM
+        # only after this call): blocks computed on top of them are left out.
+        items = step.items_to_stage(self._load_errors)
+        if not items or self._actor is None:
             return
         if self._ring is None:
             # The forward that computed these blocks may still be running on the
             # engine's stream; the actor reads them from another process.
             device.fence(self._kv_caches[0].device)
-            self._run_actor(
-                self._actor.stage(list(step.stage)), self._settings.rpc_timeout_s
-            )
+            self._run_actor(self._actor.stage(items), self._settings.rpc_timeout_s)
             return
         self._collect_ring_stagings(wait_for=0)
-        pending = list(step.stage)
+        pending = items
         while pending:
             free = self._ring.free_slots
             if free == 0:
