@@ -88,6 +88,7 @@ class Client:
             temperature=0.0,
             ignore_eos=True,
             stream=True,
+            stream_options={"include_usage": True},
         )
         started = time.perf_counter()
         first: float | None = None
