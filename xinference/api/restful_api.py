@@ -298,11 +298,23 @@ def create_app(supervisor_address: str) -> FastAPI:
         for deployment in await models.supervisor.describe_models():
             uid = deployment.model_uid
             dispatcher = models.peek(uid)
+            addresses = {
+                replica.rank: replica.address for replica in deployment.replicas
+            }
             for stats in await models.supervisor.collect_stats(uid):
-                routing = (
-                    None if dispatcher is None else dispatcher.counters[stats.rank]
+                rank = stats.rank
+                samples.append(
+                    ReplicaSample(
+                        stats=stats,
+                        routing=(
+                            None if dispatcher is None else dispatcher.counters[rank]
+                        ),
+                        latency=(
+                            None if dispatcher is None else dispatcher.latency[rank]
+                        ),
+                        address=addresses.get(rank, ""),
+                    )
                 )
-                samples.append(ReplicaSample(stats=stats, routing=routing))
         return Response(render(samples), media_type=CONTENT_TYPE)
 
     return app

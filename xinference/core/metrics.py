@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 
 from ..model.llm.vllm.xavier.stats import XavierStats
-from .dispatch import RouteCounters
+from .dispatch import ReplicaLatency, RouteCounters
 from .messages import ReplicaStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -163,6 +163,8 @@ class ReplicaSample:
 
     stats: ReplicaStats
     routing: RouteCounters | None = None
+    latency: ReplicaLatency | None = None  # measured by the front end's dispatcher
+    address: str = ""  # the replica's sub-pool (upstream's ``node`` label)
 
 
 def render(samples: Sequence[ReplicaSample]) -> bytes:
@@ -180,6 +182,8 @@ class _Snapshot:
 
     def collect(self) -> Iterator[Metric]:
         yield from _serving_metrics(self._samples)
+        yield from _latency_metrics(self._samples)
+        yield from _upstream_metrics(self._samples)
         yield from _xavier_metrics(self._samples)
 
 
@@ -232,6 +236,105 @@ def _serving_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
         yield family
 
 
+def _latency_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
+    kinds = [
+        (
+            "first_token",
+            "xinference_time_to_first_token_seconds",
+            "Time from a streamed request's arrival to its first token",
+        ),
+        (
+            "end_to_end",
+            "xinference_request_duration_seconds",
+            "Time from a request's arrival to its last token (successful requests)",
+        ),
+    ]
+    for attribute, name, help_text in kinds:
+        family = HistogramMetricFamily(name, help_text, labels=_LABELS)
+        for sample in samples:
+            if sample.latency is not None:
+                histogram = getattr(sample.latency, attribute)
+                family.add_metric(
+                    _labels(sample.stats),
+                    _buckets(histogram.cumulative(), histogram.count),
+                    sum_value=histogram.sum_s,
+                )
+        yield family
+
+
+# Upstream Xinference's series, under its names and labels, for its dashboards.
+_UPSTREAM_LABELS = ("type", "model", "node", "format", "quantization", "rank")
+
+
+def _upstream_labels(sample: ReplicaSample) -> dict[str, str]:
+    return {
+        "type": "LLM",
+        "model": sample.stats.model_uid,
+        "node": sample.address,
+        "format": "",
+        "quantization": "",
+        "rank": str(sample.stats.rank),
+    }
+
+
+def _upstream_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
+    # Metric, not CounterMetricFamily: the names must stay exactly upstream's
+    # (CounterMetricFamily would append "_total").
+    counters = [
+        ("prompt_tokens_total", "input_tokens_total_counter", "Input tokens"),
+        ("generated_tokens_total", "output_tokens_total_counter", "Output tokens"),
+        ("requests_total", "model_request_total", "Model requests"),
+    ]
+    for field_name, suffix, help_text in counters:
+        metric = Metric(f"xinference:{suffix}", help_text, "counter")
+        for sample in samples:
+            metric.add_sample(
+                metric.name,
+                _upstream_labels(sample),
+                float(getattr(sample.stats, field_name)),
+            )
+        yield metric
+    serving = Metric(
+        "xinference:model_serve_count", "Requests being served now", "gauge"
+    )
+    first_token = Metric(
+        "xinference:time_to_first_token_ms",
+        "The last streamed request's first-token latency in ms",
+        "gauge",
+    )
+    duration = HistogramMetricFamily(
+        "xinference:model_request_duration_seconds",
+        "Model request duration in seconds",
+        labels=_UPSTREAM_LABELS,
+    )
+    for sample in samples:
+        labels = _upstream_labels(sample)
+        serving.add_sample(serving.name, labels, float(sample.stats.requests_in_flight))
+        if sample.latency is None:
+            continue
+        if sample.latency.first_token.last_s is not None:
+            first_token.add_sample(
+                first_token.name, labels, sample.latency.first_token.last_s * 1000
+            )
+        end_to_end = sample.latency.end_to_end
+        duration.add_metric(
+            [labels[name] for name in _UPSTREAM_LABELS],
+            _buckets(end_to_end.cumulative(), end_to_end.count),
+            sum_value=end_to_end.sum_s,
+        )
+    yield serving
+    yield first_token
+    yield duration
+
+
+def _buckets(
+    cumulative: Sequence[tuple[float, int]], count: int
+) -> list[tuple[str, float]]:
+    buckets = [(repr(float(bound)), float(total)) for bound, total in cumulative]
+    buckets.append(("+Inf", float(count)))
+    return buckets
+
+
 def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
     # name -> family; label tuple -> value, summed (a series may add several stats)
     families: dict[str, Any] = {}
@@ -271,7 +374,9 @@ def _load_latency_histogram(samples: Sequence[ReplicaSample]) -> Metric:
         if sample.stats.xavier is None:
             continue
         summary = sample.stats.xavier.load_latency
-        buckets = [(repr(float(bound)), count) for bound, count in summary.buckets]
-        buckets.append(("+Inf", summary.count))
-        family.add_metric(_labels(sample.stats), buckets, sum_value=summary.sum_s)
+        family.add_metric(
+            _labels(sample.stats),
+            _buckets(summary.buckets, summary.count),
+            sum_value=summary.sum_s,
+        )
     return family
