@@ -219,10 +219,22 @@ class SupervisorActor(xo.StatelessActor):
         record.detail = f"starting {spec.replica} replica sub-pool(s)"
 
         async def start_pool(rank: int) -> None:
-            record.addresses[rank] = await _deadline(
-                record.worker.start_replica_pool(placements[rank]),
-                POOL_START_TIMEOUT_S,
+            call = asyncio.ensure_future(
+                _deadline(
+                    record.worker.start_replica_pool(placements[rank]),
+                    POOL_START_TIMEOUT_S,
+                )
             )
+            try:
+                record.addresses[rank] = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                # Cancelled (terminate or cancel during the launch) while the pool
+                # starts: let it finish, so that teardown knows it and removes it.
+                try:
+                    record.addresses[rank] = await call
+                except Exception:
+                    pass  # it did not start: nothing to remove
+                raise
 
         await _all(start_pool(rank) for rank in range(spec.replica))
         record.detail = f"loading {spec.replica} engine(s)"
@@ -366,7 +378,10 @@ class SupervisorActor(xo.StatelessActor):
             del self._models[model_uid]
 
     async def terminate_all(self) -> None:
-        for uid in [u for u, r in self._models.items() if r.state == "ready"]:
+        """Every model, launches in progress included (they are cancelled)."""
+        for uid in [
+            u for u, r in self._models.items() if r.state in ("ready", "launching")
+        ]:
             await self.terminate_model(uid)
 
     async def _teardown(self, record: _Deployment) -> dict[int, dict[str, Any]]:
