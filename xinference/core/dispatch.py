@@ -20,6 +20,7 @@ from typing import Any
 import xoscar as xo
 
 from ..model.llm.vllm.xavier.hashing import hash_full_blocks
+from ..model.llm.vllm.xavier.stats import LatencyRecorder
 from .messages import DeploymentInfo, GenerationChunk, GenerationRequest
 from .prompting import PromptRenderer
 from .router import RouteFacts, Router, make_router
@@ -72,40 +73,17 @@ LATENCY_BOUNDS_S = (
 
 
 @dataclass(slots=True)
-class LatencyHistogram:
-    """Observed latencies of one replica, as a Prometheus histogram keeps them."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BOUNDS_S))
-    count: int = 0
-    sum_s: float = 0.0
-    last_s: float | None = None
-
-    def observe(self, seconds: float) -> None:
-        for index, bound in enumerate(LATENCY_BOUNDS_S):
-            if seconds <= bound:
-                self.counts[index] += 1
-                break
-        self.count += 1
-        self.sum_s += seconds
-        self.last_s = seconds
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, requests at or below it) per finite bucket."""
-        total, buckets = 0, []
-        for bound, count in zip(LATENCY_BOUNDS_S, self.counts, strict=True):
-            total += count
-            buckets.append((bound, total))
-        return buckets
-
-
-@dataclass(slots=True)
 class ReplicaLatency:
     """What clients waited on one replica, measured in the front end: to the first
     token (streamed requests: a non-streamed reply arrives whole) and to the end
     (every successful request)."""
 
-    first_token: LatencyHistogram = field(default_factory=LatencyHistogram)
-    end_to_end: LatencyHistogram = field(default_factory=LatencyHistogram)
+    first_token: LatencyRecorder = field(
+        default_factory=lambda: LatencyRecorder(LATENCY_BOUNDS_S)
+    )
+    end_to_end: LatencyRecorder = field(
+        default_factory=lambda: LatencyRecorder(LATENCY_BOUNDS_S)
+    )
 
 
 class ReplicaDispatcher:
@@ -173,7 +151,7 @@ class ReplicaDispatcher:
             chunk = await asyncio.wait_for(
                 self._replicas[route.rank].generate(request), REQUEST_TIMEOUT_S
             )
-        self.latency[route.rank].end_to_end.observe(time.monotonic() - started)
+        self.latency[route.rank].end_to_end.record(time.monotonic() - started)
         return chunk
 
     async def stream(
@@ -203,10 +181,10 @@ class ReplicaDispatcher:
                     done = batch.done
                     for chunk in batch.chunks:
                         if first_token and chunk.token_ids:
-                            latency.first_token.observe(loop.time() - started)
+                            latency.first_token.record(loop.time() - started)
                             first_token = False
                         yield chunk
-                latency.end_to_end.observe(loop.time() - started)
+                latency.end_to_end.record(loop.time() - started)
             finally:
                 if not done:
                     # Shielded: the consumer may be cancelled, the abort must go out.

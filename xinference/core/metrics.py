@@ -19,7 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from ..model.llm.vllm.xavier.stats import XavierStats
+from ..model.llm.vllm.xavier.stats import LatencySummary, XavierStats
 from .dispatch import ReplicaLatency, RouteCounters
 from .messages import ReplicaStats
 
@@ -237,29 +237,31 @@ def _serving_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
 
 
 def _latency_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
-    kinds = [
-        (
-            "first_token",
-            "xinference_time_to_first_token_seconds",
-            "Time from a streamed request's arrival to its first token",
-        ),
-        (
-            "end_to_end",
-            "xinference_request_duration_seconds",
-            "Time from a request's arrival to its last token (successful requests)",
-        ),
-    ]
-    for attribute, name, help_text in kinds:
-        family = HistogramMetricFamily(name, help_text, labels=_LABELS)
-        for sample in samples:
-            if sample.latency is not None:
-                histogram = getattr(sample.latency, attribute)
-                family.add_metric(
-                    _labels(sample.stats),
-                    _buckets(histogram.cumulative(), histogram.count),
-                    sum_value=histogram.sum_s,
-                )
-        yield family
+    measured = [(s.stats, s.latency) for s in samples if s.latency is not None]
+    yield _histogram(
+        "xinference_time_to_first_token_seconds",
+        "Time from a streamed request's arrival to its first token",
+        [(stats, latency.first_token.summary()) for stats, latency in measured],
+    )
+    yield _histogram(
+        "xinference_request_duration_seconds",
+        "Time from a request's arrival to its last token (successful requests)",
+        [(stats, latency.end_to_end.summary()) for stats, latency in measured],
+    )
+
+
+def _histogram(
+    name: str, help_text: str, rows: Sequence[tuple[ReplicaStats, LatencySummary]]
+) -> Metric:
+    """A per-replica histogram family from recorded latency summaries."""
+    family = HistogramMetricFamily(name, help_text, labels=_LABELS)
+    for stats, summary in rows:
+        family.add_metric(
+            _labels(stats),
+            _buckets(summary.buckets, summary.count),
+            sum_value=summary.sum_s,
+        )
+    return family
 
 
 # Upstream Xinference's series, under its names and labels, for its dashboards.
@@ -299,7 +301,7 @@ def _upstream_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
     )
     first_token = Metric(
         "xinference:time_to_first_token_ms",
-        "The last streamed request's first-token latency in ms",
+        "Median first-token latency in ms of the recent streamed requests",
         "gauge",
     )
     duration = HistogramMetricFamily(
@@ -312,14 +314,13 @@ def _upstream_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
         serving.add_sample(serving.name, labels, float(sample.stats.requests_in_flight))
         if sample.latency is None:
             continue
-        if sample.latency.first_token.last_s is not None:
-            first_token.add_sample(
-                first_token.name, labels, sample.latency.first_token.last_s * 1000
-            )
-        end_to_end = sample.latency.end_to_end
+        median = sample.latency.first_token.summary().p50_s
+        if median is not None:
+            first_token.add_sample(first_token.name, labels, median * 1000)
+        end_to_end = sample.latency.end_to_end.summary()
         duration.add_metric(
             [labels[name] for name in _UPSTREAM_LABELS],
-            _buckets(end_to_end.cumulative(), end_to_end.count),
+            _buckets(end_to_end.buckets, end_to_end.count),
             sum_value=end_to_end.sum_s,
         )
     yield serving
@@ -363,20 +364,13 @@ def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
 
 
 def _load_latency_histogram(samples: Sequence[ReplicaSample]) -> Metric:
-    """``xavier_load_seconds`` from each replica's ``load_latency`` summary
-    (cumulative ``(upper bound, count)`` buckets, their sum and count)."""
-    family = HistogramMetricFamily(
+    """``xavier_load_seconds`` from each replica's ``load_latency`` summary."""
+    return _histogram(
         "xavier_load_seconds",
         "Time from the start of a load from a peer to its result (successful loads)",
-        labels=_LABELS,
+        [
+            (sample.stats, sample.stats.xavier.load_latency)
+            for sample in samples
+            if sample.stats.xavier is not None
+        ],
     )
-    for sample in samples:
-        if sample.stats.xavier is None:
-            continue
-        summary = sample.stats.xavier.load_latency
-        family.add_metric(
-            _labels(sample.stats),
-            _buckets(summary.buckets, summary.count),
-            sum_value=summary.sum_s,
-        )
-    return family
