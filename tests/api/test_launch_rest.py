@@ -111,10 +111,12 @@ def test_sampling_parameters_we_cannot_honour_are_named(http, body, status, name
     ):
         response = http.post(path, json=dict(model="ghost", **payload, **body))
         assert response.status_code == status, response.text
-        detail = response.json()["detail"]
-        for name in names or list(body):
-            if status == 400:
-                assert name in detail
+        if status == 400:  # OpenAI's error shape, and upstream's "detail"
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["message"] == response.json()["detail"]
+            for name in names or list(body):
+                assert name in error["message"]
 
 
 def test_chat_content_parts_are_text_only(http):

@@ -61,10 +61,11 @@ def test_launch_validation_errors(server, model_dir, options, message):
 
 
 def test_unknown_model_name(server):
-    result = run_cli(server, "launch", "--model-name", "no-such-model")
-    assert result.exit_code == 1
-    assert "unknown model_name 'no-such-model'; known:" in result.output
-    assert "tiny-qwen2" in result.output
+    for name_option in ("--model-name", "-n"):
+        result = run_cli(server, "launch", name_option, "no-such-model")
+        assert result.exit_code == 1
+        assert "unknown model_name 'no-such-model'; known:" in result.output
+        assert "tiny-qwen2" in result.output
 
 
 def test_terminate_an_unknown_model(server):
@@ -104,6 +105,10 @@ def test_endpoint_after_the_subcommand(server):
         (["-r", "1", "--enable_xavier", "true"], "it needs replica >= 2, got 1"),
         (["-r", "2", "--enable_xavier", "true", "--n-gpu", "2"], "must be 1, got 2"),
         (["-t", "embedding"], "model_type 'embedding' is not served here"),
+        (
+            ["-r", "2", "--enable_xavier", "true", "-en", "sglang", "-u", "x"],
+            "Xavier works with the vLLM engine only, got model_engine 'sglang'",
+        ),
         (["-f", "ggufv2"], "model_format 'ggufv2' is not supported"),
         (["--n-gpu", "none"], "n_gpu=None (CPU only) cannot be chosen"),
         (["--worker-ip", "10.255.0.9"], "no worker at worker_ip '10.255.0.9'"),

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import xoscar as xo
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.dispatch import ReplicaDispatcher, Route
@@ -98,6 +98,22 @@ def create_app(supervisor_address: str) -> FastAPI:
     @app.exception_handler(LaunchOptionError)
     async def _bad_option(_: Request, error: LaunchOptionError) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=400)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(_: Request, error: InvalidRequest) -> JSONResponse:
+        # OpenAI's error shape (its clients read error.message) plus "detail",
+        # which upstream Xinference's client reads.
+        message = str(error)
+        body = {
+            "detail": message,
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": error.param,
+                "code": None,
+            },
+        }
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(LookupError)
     async def _not_found(_: Request, error: LookupError) -> JSONResponse:
@@ -323,12 +339,20 @@ def create_app(supervisor_address: str) -> FastAPI:
 async def _dispatcher(models: ModelHub, body: Any) -> ReplicaDispatcher:
     refused = body.refused()
     if refused:
-        raise HTTPException(
-            400,
+        raise InvalidRequest(
             f"unsupported parameter(s): {', '.join(refused)} "
             "(this server cannot honour them; only n=1 is served)",
+            param=refused[0],
         )
     return await models.get(body.model)
+
+
+class InvalidRequest(ValueError):
+    """A serving request the server cannot honour; ``param`` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _generation_request(
@@ -352,7 +376,7 @@ async def _generate(
     try:
         return await dispatcher.generate(route, request)
     except ValueError as error:  # vLLM's request validation (too long, ...)
-        raise HTTPException(400, _message(error)) from None
+        raise InvalidRequest(_message(error)) from None
 
 
 def _sse(
