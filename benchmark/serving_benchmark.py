@@ -136,7 +136,12 @@ class Client:
     ) -> Sample:
         """A greedy streamed request; ``text_of`` reads a choice's new text."""
         body = dict(
-            model=self.model, temperature=0.0, ignore_eos=True, stream=True, **fields
+            model=self.model,
+            temperature=0.0,
+            ignore_eos=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            **fields,
         )
         started = time.perf_counter()
         first: float | None = None

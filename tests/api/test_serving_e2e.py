@@ -109,6 +109,7 @@ def serve_workload(server: LocalServer, uid: str, run: Run, *, xavier: bool) -> 
                 max_tokens=WORKLOAD.max_tokens,
                 temperature=0,
                 stream=True,
+                stream_options={"include_usage": True},
             ),
         ) as response:
             assert response.status_code == 200
@@ -327,8 +328,8 @@ def test_cli_terminate_prints_counters_and_leaves_no_process(xavier_run: Run) ->
 
 def test_rest_launch_serves_without_xavier(plain_run: Run) -> None:
     assert plain_run.deployment["xavier"] == "Xavier: off"
-    assert [m["id"] for m in plain_run.listed] == [MODEL_NAME]
-    assert plain_run.listed[0]["status"] == "ready"
+    assert list(plain_run.listed) == [MODEL_NAME]
+    assert plain_run.listed[MODEL_NAME]["status"] == "ready"
     for report in plain_run.reports:
         assert report["xavier"] is None
         assert report["kv_connector"] is None

@@ -3,7 +3,7 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from xinference.core.dispatch import RouteCounters
+from xinference.core.dispatch import ReplicaLatency, RouteCounters
 from xinference.core.messages import ReplicaStats, format_counters
 from xinference.core.metrics import XAVIER_METRICS, ReplicaSample, lookup, render
 from xinference.model.llm.vllm.xavier.stats import (
@@ -124,3 +124,52 @@ def test_every_metric_names_a_field_of_the_stats():
         assert lookup(XAVIER_STATS, metric.stat) is not None, metric.stat
     with pytest.raises(AttributeError):
         lookup(XAVIER_STATS, "transport.missing")
+
+
+def test_latency_histograms_and_upstream_series():
+    latency = ReplicaLatency()
+    for seconds in (0.004, 0.2, 0.3):
+        latency.end_to_end.record(seconds)
+    latency.first_token.record(0.02)
+    latency.first_token.record(0.07)
+    values = scrape(
+        [
+            ReplicaSample(stats(0), RouteCounters(), latency, "127.0.0.1:5000"),
+            ReplicaSample(stats(1)),  # no requests through this front end yet
+        ]
+    )
+    r0 = (("model_uid", "m"), ("rank", "0"))
+
+    def get(name, *extra):
+        return values[(name, tuple(sorted(r0 + extra)))]
+
+    assert get("xinference_time_to_first_token_seconds_bucket", ("le", "0.025")) == 1
+    assert get("xinference_time_to_first_token_seconds_bucket", ("le", "0.1")) == 2
+    assert get("xinference_time_to_first_token_seconds_count") == 2
+    assert get("xinference_request_duration_seconds_bucket", ("le", "0.01")) == 1
+    assert get("xinference_request_duration_seconds_bucket", ("le", "0.25")) == 2
+    assert get("xinference_request_duration_seconds_bucket", ("le", "+Inf")) == 3
+    assert get("xinference_request_duration_seconds_sum") == pytest.approx(0.504)
+    upstream = tuple(
+        sorted(
+            dict(
+                type="LLM",
+                model="m",
+                node="127.0.0.1:5000",
+                format="",
+                quantization="",
+                rank="0",
+            ).items()
+        )
+    )
+    assert values[("xinference:input_tokens_total_counter", upstream)] == 100
+    assert values[("xinference:output_tokens_total_counter", upstream)] == 40
+    assert values[("xinference:model_request_total", upstream)] == 5
+    assert values[("xinference:model_serve_count", upstream)] == 0
+    # the median of the recent first-token latencies, in ms
+    assert values[("xinference:time_to_first_token_ms", upstream)] == pytest.approx(45)
+    duration = "xinference:model_request_duration_seconds_count"
+    assert values[(duration, upstream)] == 3
+    # a replica without front-end measurements has no latency series
+    r1 = (("model_uid", "m"), ("rank", "1"))
+    assert ("xinference_request_duration_seconds_count", r1) not in values

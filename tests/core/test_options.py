@@ -94,6 +94,27 @@ def test_xavier_off_is_the_default(model_dir):
         (dict(enable_xavier="yes"), "enable_xavier must be a boolean"),
         (dict(model_uid="bad uid!"), "model_uid 'bad uid!' must be"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in"),
+        # upstream Xinference's launch keys
+        (dict(model_type="embedding"), "model_type 'embedding' is not served here"),
+        (dict(model_format="ggufv2"), "model_format 'ggufv2' is not supported"),
+        (dict(n_gpu=None), "n_gpu=None (CPU only) cannot be chosen"),
+        (dict(n_gpu="none"), "n_gpu=None (CPU only) cannot be chosen"),
+        (dict(n_gpu=0), "n_gpu must be >= 1, got 0"),
+        (dict(n_gpu=2, tensor_parallel_size=4), "n_gpu=2 and tensor_parallel_size=4"),
+        (
+            dict(replica=2, enable_xavier=True, n_gpu=2),
+            "tensor_parallel_size and pipeline_parallel_size must be 1, got 2 and 1",
+        ),
+        (dict(gpu_idx=[0, 0]), "gpu_idx repeats a GPU: [0, 0]"),
+        (dict(gpu_idx=[-1]), "gpu_idx must be >= 0, got -1"),
+        (dict(gpu_idx="0,1"), "gpu_idx must be a GPU index or a list of them"),
+        (
+            dict(peft_model_config={"lora_list": [{"lora_name": "a"}]}),
+            "peft_model_config (LoRA adapters) is not supported",
+        ),
+        (dict(n_worker=2), "n_worker=2 is not supported"),
+        (dict(request_limits=4), "request_limits=4 is not supported"),
+        (dict(envs={"A": "1"}), "envs={'A': '1'} is not supported"),
     ],
 )
 def test_invalid_options_are_refused_with_a_clear_error(model_dir, options, message):
@@ -101,11 +122,9 @@ def test_invalid_options_are_refused_with_a_clear_error(model_dir, options, mess
         launch(model_dir, **options)
 
 
-def test_model_source_must_be_exactly_one(model_dir, tmp_path):
-    with pytest.raises(LaunchOptionError, match="exactly one of model_name"):
+def test_a_model_source_is_required(model_dir, tmp_path):
+    with pytest.raises(LaunchOptionError, match="give model_name"):
         LaunchSpec.from_options()
-    with pytest.raises(LaunchOptionError, match="exactly one of model_name"):
-        LaunchSpec.from_options(model_name="tiny-qwen2", model_path=model_dir)
     with pytest.raises(LaunchOptionError, match="is not a directory"):
         LaunchSpec.from_options(model_path=str(tmp_path / "missing"))
     with pytest.raises(LaunchOptionError, match="unknown model_name 'nope'"):
@@ -117,6 +136,48 @@ def test_a_registry_name_is_resolved_later(monkeypatch, tmp_path):
     spec = LaunchSpec.from_options(model_name="tiny-qwen2", replica=2)
     assert spec.model_uid == "tiny-qwen2" and spec.model_path is None
     assert spec.with_model_path("/x").model_path == "/x"
+
+
+def test_a_name_with_a_path_names_the_model_and_the_path_is_loaded(model_dir):
+    # Upstream launches a model by its name from a local path: any name will do.
+    spec = LaunchSpec.from_options(model_name="qwen2.5-instruct", model_path=model_dir)
+    assert spec.model_uid == "qwen2.5-instruct"
+    assert spec.model_path == model_dir and spec.model_name == "qwen2.5-instruct"
+
+
+def test_upstream_clients_default_payload_is_accepted(model_dir):
+    """What upstream's client sends for a plain launch: every key, mostly null."""
+    spec = launch(
+        model_dir,
+        model_type="LLM",
+        model_engine=None,
+        model_size_in_billions=None,
+        model_format=None,
+        quantization=None,
+        replica=2,
+        n_worker=1,
+        n_gpu="auto",
+        peft_model_config=None,
+        request_limits=None,
+        worker_ip=None,
+        gpu_idx=None,
+        replica_config=None,
+        enable_thinking=None,
+        enable_virtual_env=None,
+        virtual_env_packages=None,
+        virtual_env_find_links=None,
+        envs=None,
+        enable_xavier=True,
+    )
+    assert spec.model_engine == "vllm" and spec.replica == 2 and spec.xavier.enabled
+    assert spec.engine.extra == () and spec.gpu_idx is None and spec.worker_ip is None
+
+
+def test_upstream_placement_keys_have_their_meaning(model_dir):
+    spec = launch(model_dir, n_gpu=2, gpu_idx=[1, 0], worker_ip="127.0.0.1")
+    assert spec.engine.tensor_parallel_size == 2
+    assert spec.gpu_idx == (1, 0) and spec.worker_ip == "127.0.0.1"
+    assert launch(model_dir, gpu_idx=3).gpu_idx == (3,)
 
 
 def test_default_model_uid():

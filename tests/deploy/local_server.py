@@ -45,7 +45,17 @@ class LocalServer:
     def start(self) -> LocalServer:
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "xinference.deploy.cmdline", "local", "--port", "0"],
+            # Upstream's short flags (-H, -p): exercised by every server test.
+            [
+                sys.executable,
+                "-m",
+                "xinference.deploy.cmdline",
+                "local",
+                "-H",
+                "127.0.0.1",
+                "-p",
+                "0",
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=engine_env(self.workdir),

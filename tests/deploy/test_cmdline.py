@@ -61,10 +61,11 @@ def test_launch_validation_errors(server, model_dir, options, message):
 
 
 def test_unknown_model_name(server):
-    result = run_cli(server, "launch", "--model-name", "no-such-model")
-    assert result.exit_code == 1
-    assert "unknown model_name 'no-such-model'; known:" in result.output
-    assert "tiny-qwen2" in result.output
+    for name_option in ("--model-name", "-n"):
+        result = run_cli(server, "launch", name_option, "no-such-model")
+        assert result.exit_code == 1
+        assert "unknown model_name 'no-such-model'; known:" in result.output
+        assert "tiny-qwen2" in result.output
 
 
 def test_terminate_an_unknown_model(server):
@@ -77,3 +78,69 @@ def test_an_unreachable_endpoint_is_reported():
     result = CliRunner().invoke(cli, ["--endpoint", "http://127.0.0.1:1", "list"])
     assert result.exit_code == 1
     assert "cannot reach http://127.0.0.1:1" in result.output
+
+
+# ---- upstream Xinference's command line ----------------------------------------
+
+
+def run_upstream(*args):
+    """Options after the subcommand, -e included, as upstream's docs write them."""
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_endpoint_after_the_subcommand(server):
+    # The group's endpoint is unreachable: the subcommand's must win.
+    for command in (["list"], ["terminate", "-u", "ghost"]):
+        result = CliRunner().invoke(
+            cli, ["-e", "http://127.0.0.1:1", *command, "-e", server.endpoint]
+        )
+        assert "cannot reach" not in result.output, result.output
+    assert "no models" in run_upstream("list", "-e", server.endpoint).output
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        # short flags and --key value pairs reach the server's validation
+        (["-r", "1", "--enable_xavier", "true"], "it needs replica >= 2, got 1"),
+        (["-r", "2", "--enable_xavier", "true", "--n-gpu", "2"], "must be 1, got 2"),
+        (["-t", "embedding"], "model_type 'embedding' is not served here"),
+        (
+            ["-r", "2", "--enable_xavier", "true", "-en", "sglang", "-u", "x"],
+            "Xavier works with the vLLM engine only, got model_engine 'sglang'",
+        ),
+        (["-f", "ggufv2"], "model_format 'ggufv2' is not supported"),
+        (["--n-gpu", "none"], "n_gpu=None (CPU only) cannot be chosen"),
+        (["--worker-ip", "10.255.0.9"], "no worker at worker_ip '10.255.0.9'"),
+        (["--gpu-idx", "97,98"], "gpu_idx [97, 98] not on worker"),
+        (["-lm", "a", "/tmp/a"], "peft_model_config (LoRA adapters) is not supported"),
+        (["--max_num_batched_tokens", "many"], "invalid engine argument"),
+        (["--swap_spice", "4"], "unknown launch option 'swap_spice'"),
+    ],
+)
+def test_upstream_launch_options(server, model_dir, options, message):
+    result = run_upstream(
+        "launch", "-e", server.endpoint, "--model-path", model_dir, *options
+    )
+    assert result.exit_code == 1, result.output
+    assert "Error:" in result.output and message in result.output
+    assert "no models" in run_upstream("list", "-e", server.endpoint).output
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["stray"], "unexpected argument 'stray'"),
+        (
+            ["--enable-xavier", "--enable_xavier", "true"],
+            "enable_xavier is given twice",
+        ),
+        (["--gpu-idx", "0,x"], "give comma-separated GPU indexes"),
+    ],
+)
+def test_malformed_command_lines_are_usage_errors(server, model_dir, options, message):
+    result = run_upstream(
+        "launch", "-e", server.endpoint, "--model-path", model_dir, *options
+    )
+    assert result.exit_code == 2, result.output
+    assert message in result.output

@@ -1,9 +1,11 @@
 """The REST API: model management plus OpenAI-compatible serving and /metrics.
 
-    POST   /v1/models                 launch (options as in ``LaunchRequest``)
+    POST   /v1/models                 launch (options as in ``LaunchRequest``);
+                                      ``?wait_ready=false`` returns at once
     GET    /v1/models                 OpenAI model list, with each model's state
     GET    /v1/models/{uid}           one model: state, replicas, Xavier settings
-    GET    /v1/models/{uid}/progress  launch progress
+    GET    /v1/models/{uid}/progress  launch progress (``progress``: 0..1, as upstream)
+    POST   /v1/models/{uid}/cancel    stop a launch in progress and tear it down
     GET    /v1/models/{uid}/replicas  each replica's own report (from its process)
     POST   /v1/models/{uid}/prefix    who holds the longest cached prefix of a prompt
     DELETE /v1/models/{uid}           terminate; returns the final Xavier counters
@@ -28,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import xoscar as xo
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.dispatch import ReplicaDispatcher, Route
@@ -97,6 +99,22 @@ def create_app(supervisor_address: str) -> FastAPI:
     async def _bad_option(_: Request, error: LaunchOptionError) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=400)
 
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(_: Request, error: InvalidRequest) -> JSONResponse:
+        # OpenAI's error shape (its clients read error.message) plus "detail",
+        # which upstream Xinference's client reads.
+        message = str(error)
+        body = {
+            "detail": message,
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": error.param,
+                "code": None,
+            },
+        }
+        return JSONResponse(body, status_code=400)
+
     @app.exception_handler(LookupError)
     async def _not_found(_: Request, error: LookupError) -> JSONResponse:
         return JSONResponse({"detail": _message(error)}, status_code=404)
@@ -113,10 +131,12 @@ def create_app(supervisor_address: str) -> FastAPI:
     # ---- management ---------------------------------------------------------------
 
     @app.post("/v1/models")
-    async def launch(body: LaunchRequest) -> dict[str, Any]:
+    async def launch(body: LaunchRequest, wait_ready: bool = True) -> dict[str, Any]:
         models = await hub()
-        deployment = await models.supervisor.launch_model(body.model_dump())
-        return _deployment_json(deployment)
+        launched = await models.supervisor.launch_model(body.model_dump(), wait_ready)
+        if isinstance(launched, str):  # not waited for: only the uid is known yet
+            return {"model_uid": launched}
+        return _deployment_json(launched)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -136,7 +156,7 @@ def create_app(supervisor_address: str) -> FastAPI:
                 "replicas_ready": item.replicas_ready,
             }
             if deployment is not None:
-                entry["model_engine"] = deployment.model_engine
+                entry |= _upstream_description(deployment)
                 entry["xavier"] = deployment.xavier_description
                 entry["router"] = deployment.router.kind
             data.append(entry)
@@ -150,7 +170,19 @@ def create_app(supervisor_address: str) -> FastAPI:
     @app.get("/v1/models/{model_uid}/progress")
     async def progress(model_uid: str) -> dict[str, Any]:
         models = await hub()
-        return dataclasses.asdict(await models.supervisor.progress(model_uid))
+        state = await models.supervisor.progress(model_uid)
+        # Upstream's key: a fraction, 1.0 only once every replica serves.
+        done = 1.0 if state.state == "ready" else 0.0
+        if state.state == "launching":
+            done = 0.99 * state.replicas_ready / max(state.replicas_total, 1)
+        return {"progress": round(done, 3)} | dataclasses.asdict(state)
+
+    @app.post("/v1/models/{model_uid}/cancel")
+    async def cancel(model_uid: str) -> dict[str, Any]:
+        models = await hub()
+        models.forget(model_uid)
+        await models.supervisor.cancel_launch(model_uid)
+        return {"model_uid": model_uid, "cancelled": True}
 
     @app.get("/v1/models/{model_uid}/replicas")
     async def replicas(model_uid: str) -> list[dict[str, Any]]:
@@ -164,7 +196,7 @@ def create_app(supervisor_address: str) -> FastAPI:
         block tracker, as the cache-aware router sees it)."""
         dispatcher = await (await hub()).get(model_uid)
         if body.messages is not None:
-            messages = [message.model_dump() for message in body.messages]
+            messages = [message.plain() for message in body.messages]
             token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
         else:
             token_ids = await asyncio.to_thread(
@@ -192,12 +224,12 @@ def create_app(supervisor_address: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        dispatcher = await _dispatcher(await hub(), body.model, body.n)
+        dispatcher = await _dispatcher(await hub(), body)
         # Tokenising a long prompt takes a while: not on the event loop.
         token_ids = await asyncio.to_thread(
             dispatcher.renderer.completion_ids, body.prompt
         )
-        request = _generation_request("cmpl", token_ids, body, body.max_tokens or 16)
+        request = _generation_request("cmpl", token_ids, body, body.max_tokens)
         route = await dispatcher.route(token_ids)
         headers = {REPLICA_HEADER: str(route.rank)}
         created = int(time.time())
@@ -219,15 +251,17 @@ def create_app(supervisor_address: str) -> FastAPI:
             }
 
         if body.stream:
-            return _sse(dispatcher, route, request, chunk_json, headers)
+            return _sse(
+                dispatcher, route, request, chunk_json, headers, body.include_usage()
+            )
         chunk = await _generate(dispatcher, route, request)
         payload = chunk_json(chunk) | {"usage": _usage(chunk)}
         return JSONResponse(payload, headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
-        dispatcher = await _dispatcher(await hub(), body.model, body.n)
-        messages = [message.model_dump() for message in body.messages]
+        dispatcher = await _dispatcher(await hub(), body)
+        messages = [message.plain() for message in body.messages]
         token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
         request = _generation_request("chatcmpl", token_ids, body, body.token_budget())
         route = await dispatcher.route(token_ids)
@@ -251,7 +285,9 @@ def create_app(supervisor_address: str) -> FastAPI:
             }
 
         if body.stream:
-            return _sse(dispatcher, route, request, chunk_json, headers)
+            return _sse(
+                dispatcher, route, request, chunk_json, headers, body.include_usage()
+            )
         chunk = await _generate(dispatcher, route, request)
         payload = {
             "id": request.request_id,
@@ -278,24 +314,49 @@ def create_app(supervisor_address: str) -> FastAPI:
         for deployment in await models.supervisor.describe_models():
             uid = deployment.model_uid
             dispatcher = models.peek(uid)
+            addresses = {
+                replica.rank: replica.address for replica in deployment.replicas
+            }
             for stats in await models.supervisor.collect_stats(uid):
-                routing = (
-                    None if dispatcher is None else dispatcher.counters[stats.rank]
+                rank = stats.rank
+                samples.append(
+                    ReplicaSample(
+                        stats=stats,
+                        routing=(
+                            None if dispatcher is None else dispatcher.counters[rank]
+                        ),
+                        latency=(
+                            None if dispatcher is None else dispatcher.latency[rank]
+                        ),
+                        address=addresses.get(rank, ""),
+                    )
                 )
-                samples.append(ReplicaSample(stats=stats, routing=routing))
         return Response(render(samples), media_type=CONTENT_TYPE)
 
     return app
 
 
-async def _dispatcher(models: ModelHub, model_uid: str, n: int) -> ReplicaDispatcher:
-    if n != 1:
-        raise HTTPException(400, "only n=1 is supported")
-    return await models.get(model_uid)
+async def _dispatcher(models: ModelHub, body: Any) -> ReplicaDispatcher:
+    refused = body.refused()
+    if refused:
+        raise InvalidRequest(
+            f"unsupported parameter(s): {', '.join(refused)} "
+            "(this server cannot honour them; only n=1 is served)",
+            param=refused[0],
+        )
+    return await models.get(body.model)
+
+
+class InvalidRequest(ValueError):
+    """A serving request the server cannot honour; ``param`` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _generation_request(
-    prefix: str, token_ids: list[int], body: Any, max_tokens: int
+    prefix: str, token_ids: list[int], body: Any, max_tokens: int | None
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
@@ -315,7 +376,7 @@ async def _generate(
     try:
         return await dispatcher.generate(route, request)
     except ValueError as error:  # vLLM's request validation (too long, ...)
-        raise HTTPException(400, _message(error)) from None
+        raise InvalidRequest(_message(error)) from None
 
 
 def _sse(
@@ -324,6 +385,7 @@ def _sse(
     request: GenerationRequest,
     to_json: Callable[[GenerationChunk], dict[str, Any]],
     headers: dict[str, str],
+    include_usage: bool,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         last: GenerationChunk | None = None
@@ -336,7 +398,8 @@ def _sse(
             payload = {"error": {"message": _message(error), "type": "server_error"}}
             yield f"data: {json.dumps(payload)}\n\n"
             return
-        if last is not None:
+        if include_usage and last is not None:
+            # OpenAI's stream_options.include_usage: one last chunk, no choices.
             final = to_json(dataclasses.replace(last, text="", token_ids=()))
             final["choices"] = []
             final["usage"] = _usage(last)
@@ -357,8 +420,23 @@ def _usage(chunk: GenerationChunk) -> dict[str, Any]:
     return usage
 
 
-def _deployment_json(deployment: DeploymentInfo) -> dict[str, Any]:
+def _upstream_description(deployment: DeploymentInfo) -> dict[str, Any]:
+    """The keys upstream Xinference's client and CLI read from a model's
+    description (its client picks the chat handle by ``model_ability``)."""
     return {
+        "model_type": "LLM",
+        "model_name": deployment.model_name,
+        "model_engine": deployment.model_engine,
+        "model_ability": ["generate", "chat"],
+        "model_format": None,  # vLLM reads it from the model directory
+        "model_size_in_billions": None,
+        "quantization": deployment.quantization,
+        "replica": len(deployment.replicas),
+    }
+
+
+def _deployment_json(deployment: DeploymentInfo) -> dict[str, Any]:
+    return _upstream_description(deployment) | {
         "model_uid": deployment.model_uid,
         "model_path": deployment.model_path,
         "model_engine": deployment.model_engine,

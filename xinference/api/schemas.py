@@ -1,12 +1,14 @@
 """Request bodies of the REST API (pydantic), OpenAI-compatible where OpenAI has one.
 
-Unknown fields are refused (a misspelt option must not be silently ignored); values
-are checked for type here and for meaning by ``LaunchSpec.from_options``.
+Nothing unknown is silently ignored: a launch key that is not an option here must
+be a vLLM engine argument (``LaunchSpec.from_options`` checks it with vLLM's own
+parser), and a sampling parameter we cannot honour is a 400 naming it (``refused``).
+Values are checked for type here and for meaning by ``LaunchSpec.from_options``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,12 +16,13 @@ from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 
 
 class LaunchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # Extra keys are free vLLM engine arguments, as upstream Xinference passes them.
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     model_uid: str | None = None
     model_name: str | None = None
     model_path: str | None = None
-    model_engine: str = "vllm"
+    model_engine: str | None = "vllm"
     replica: int = 1
     enable_xavier: bool = False
     xavier_gpu_cache_bytes: int | str | None = None
@@ -36,18 +39,63 @@ class LaunchRequest(BaseModel):
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     seed: int = 0
+    # Upstream Xinference's keys (its client sends them all, mostly as null).
+    model_type: str | None = "LLM"
+    model_size_in_billions: int | str | None = None
+    model_format: str | None = None
+    quantization: str | None = None
+    n_gpu: int | str | None = "auto"
+    n_worker: int = 1
+    gpu_idx: int | list[int] | None = None
+    worker_ip: str | None = None
+    peft_model_config: dict[str, Any] | None = None
+    request_limits: int | None = None
+    replica_config: list[Any] | None = None
+    enable_thinking: bool | None = None
+    enable_virtual_env: bool | None = None
+    virtual_env_packages: list[str] | None = None
+    virtual_env_find_links: list[str] | None = None
+    envs: dict[str, str] | None = None
+
+
+# OpenAI parameters we cannot honour, with the values that ask for nothing (a client
+# may send them at their defaults). Any other value, or any other unknown parameter,
+# is refused with a 400 that names it: never dropped.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "chat_template_kwargs": (None, {}),
+}
+# Parameters that only label a request (no effect on its output): accepted.
+_LABELS = ("user", "metadata", "store")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    # OpenAI clients send fields we do not use (user, logit_bias, ...): ignore them.
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     model: str
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
@@ -57,22 +105,58 @@ class _SamplingFields(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def refused(self) -> list[str]:
+        """The parameters this request sets that the server cannot honour."""
+        names = []
+        for name, value in (self.model_extra or {}).items():
+            if name in _LABELS:
+                continue
+            if name not in _NEUTRAL or value not in _NEUTRAL[name]:
+                names.append(name)
+        if self.n != 1:
+            names.append("n")
+        if self.stream_options is not None and not self.stream:
+            names.append("stream_options")  # OpenAI: only with stream=true
+        return sorted(names)
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int]
+    # OpenAI's completions default; chat completions run to the end (None).
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # A string or OpenAI's content parts; only text parts (no images, no audio).
+    content: str | list[TextPart] | None
+
+    def plain(self) -> dict[str, str]:
+        """The message with its content as one string, as chat templates take it."""
+        if isinstance(self.content, list):
+            text = "\n".join(part.text for part in self.content)
+        else:
+            text = self.content or ""
+        return {"role": self.role, "content": text}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
-    def token_budget(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 16
+    def token_budget(self) -> int | None:
+        """Tokens to generate at most; None: until the end of sequence or context."""
+        return self.max_completion_tokens or self.max_tokens
 
 
 class PrefixRequest(BaseModel):

@@ -5,8 +5,13 @@ uid = client.launch_model(model_path="/models/qwen", replica=2,
                           enable_xavier=True, xavier_gpu_cache_bytes="256MiB")
 model = client.get_model(uid)
 model.completions("The quick", max_tokens=8, temperature=0)
+model.generate("The quick", generate_config={"max_tokens": 8})   # upstream's form
 for chunk in model.chat([{"role": "user", "content": "hi"}], stream=True): ...
+model.chat(messages, generate_config={"max_tokens": 64, "stream": False})
 client.terminate_model(uid)
+
+The calls upstream Xinference's client has keep its signatures and return shapes
+(``list_models`` is a dict by uid, ``generate``/``chat`` take ``generate_config``).
 """
 
 from __future__ import annotations
@@ -47,23 +52,43 @@ class Client:
 
     # ---- management ---------------------------------------------------------------
 
-    def launch_model(self, **options: Any) -> str:
-        """Launch a model (options as ``xinference launch``); its uid once ready."""
-        return str(self.launch_model_detailed(**options)["model_uid"])
+    def launch_model(self, wait_ready: bool = True, **options: Any) -> str:
+        """Launch a model (options as ``xinference launch``; keys that are not
+        options here are vLLM engine arguments); its uid once ready, or at once
+        without ``wait_ready``."""
+        return str(self.launch_model_detailed(wait_ready, **options)["model_uid"])
 
-    def launch_model_detailed(self, **options: Any) -> dict[str, Any]:
-        """Launch and return the deployment description (replicas, Xavier line)."""
+    def launch_model_detailed(
+        self, wait_ready: bool = True, **options: Any
+    ) -> dict[str, Any]:
+        """Launch and return the deployment description (replicas, Xavier line);
+        without ``wait_ready`` only ``model_uid`` is known yet."""
         body = {key: value for key, value in options.items() if value is not None}
-        return self._call("POST", "/v1/models", json=body, timeout=LAUNCH_TIMEOUT_S)
+        return self._call(
+            "POST",
+            "/v1/models",
+            json=body,
+            params={"wait_ready": "true" if wait_ready else "false"},
+            timeout=LAUNCH_TIMEOUT_S,
+        )
 
-    def list_models(self) -> list[dict[str, Any]]:
-        return list(self._call("GET", "/v1/models")["data"])
+    def list_models(self) -> dict[str, dict[str, Any]]:
+        """Launched models by uid (launching ones too: see ``status``)."""
+        return {item["id"]: item for item in self._call("GET", "/v1/models")["data"]}
 
     def describe_model(self, model_uid: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/models/{model_uid}")
 
     def progress(self, model_uid: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/models/{model_uid}/progress")
+
+    def get_launch_model_progress(self, model_uid: str) -> dict[str, Any]:
+        """Upstream's name: ``progress`` is a fraction, 1.0 once ready."""
+        return self.progress(model_uid)
+
+    def cancel_launch_model(self, model_uid: str) -> None:
+        """Stop a launch in progress; returns once what it started is gone."""
+        self._call("POST", f"/v1/models/{model_uid}/cancel")
 
     def replica_reports(self, model_uid: str) -> list[dict[str, Any]]:
         """What each replica process reports having received."""
@@ -127,13 +152,36 @@ class Model:
             return self._client._stream("/v1/completions", body)
         return self._client._call("POST", "/v1/completions", json=body)
 
-    def chat(
-        self, messages: Sequence[dict[str, str]], *, stream: bool = False, **params: Any
+    def generate(
+        self, prompt: str, generate_config: dict[str, Any] | None = None
     ) -> Any:
+        """Upstream's form of ``completions``: parameters in ``generate_config``
+        (``stream`` among them)."""
+        params = dict(generate_config or {})
+        return self.completions(
+            prompt, stream=bool(params.pop("stream", False)), **params
+        )
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        stream: bool = False,
+        generate_config: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> Any:
+        """Chat completions; parameters as keywords or, as upstream's client takes
+        them, in ``generate_config`` (its ``stream`` too)."""
+        config = dict(generate_config or {})
+        stream = bool(config.pop("stream", stream))
+        clash = sorted(config.keys() & params.keys())
+        if clash:
+            raise ValueError(f"{clash} given both as keywords and in generate_config")
         body = {
             "model": self.model_uid,
             "messages": list(messages),
             "stream": stream,
+            **config,
             **params,
         }
         if stream:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xoscar as xo
 
 from ..model.llm.vllm.xavier.hashing import hash_full_blocks
+from ..model.llm.vllm.xavier.stats import LatencyRecorder
 from .messages import DeploymentInfo, GenerationChunk, GenerationRequest
 from .prompting import PromptRenderer
 from .router import RouteFacts, Router, make_router
@@ -52,6 +54,38 @@ class RouteCounters:
     holder_too_busy: int = 0  # cache-aware: the holder was skipped for load
 
 
+# Latency histogram bounds in seconds (upstream Xinference's request-duration buckets).
+LATENCY_BOUNDS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+@dataclass(slots=True)
+class ReplicaLatency:
+    """What clients waited on one replica, measured in the front end: to the first
+    token (streamed requests: a non-streamed reply arrives whole) and to the end
+    (every successful request)."""
+
+    first_token: LatencyRecorder = field(
+        default_factory=lambda: LatencyRecorder(LATENCY_BOUNDS_S)
+    )
+    end_to_end: LatencyRecorder = field(
+        default_factory=lambda: LatencyRecorder(LATENCY_BOUNDS_S)
+    )
+
+
 class ReplicaDispatcher:
     """Routes the requests of one deployment; one per model in the front end."""
 
@@ -70,6 +104,7 @@ class ReplicaDispatcher:
         self._router = router
         self._in_flight = [0] * len(self._replicas)
         self.counters = [RouteCounters() for _ in self._replicas]
+        self.latency = [ReplicaLatency() for _ in self._replicas]
         self.tracker_errors = 0
 
     @classmethod
@@ -111,10 +146,13 @@ class ReplicaDispatcher:
     async def generate(
         self, route: Route, request: GenerationRequest
     ) -> GenerationChunk:
+        started = time.monotonic()
         with self._counted(route.rank):
-            return await asyncio.wait_for(
+            chunk = await asyncio.wait_for(
                 self._replicas[route.rank].generate(request), REQUEST_TIMEOUT_S
             )
+        self.latency[route.rank].end_to_end.record(time.monotonic() - started)
+        return chunk
 
     async def stream(
         self, route: Route, request: GenerationRequest
@@ -123,7 +161,9 @@ class ReplicaDispatcher:
         request on the replica."""
         replica = self._replicas[route.rank]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + REQUEST_TIMEOUT_S
+        started = loop.time()
+        deadline = started + REQUEST_TIMEOUT_S
+        latency, first_token = self.latency[route.rank], True
         with self._counted(route.rank):
             await asyncio.wait_for(replica.open_stream(request), RPC_MARGIN_S)
             done = False
@@ -140,7 +180,11 @@ class ReplicaDispatcher:
                     )
                     done = batch.done
                     for chunk in batch.chunks:
+                        if first_token and chunk.token_ids:
+                            latency.first_token.record(loop.time() - started)
+                            first_token = False
                         yield chunk
+                latency.end_to_end.record(loop.time() - started)
             finally:
                 if not done:
                     # Shielded: the consumer may be cancelled, the abort must go out.

@@ -77,6 +77,8 @@ class DeploymentInfo:
     tracker_uid: str | None = None
     hash_namespace: str | None = None  # how the connector names its block hashes
     created: float = 0.0
+    model_name: str = ""  # the registry name, or the model directory's name
+    quantization: str | None = None  # as given to vLLM, None: the checkpoint's own
 
     @property
     def block_size(self) -> int:
@@ -102,7 +104,7 @@ class GenerationRequest:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until end of sequence or the context's end
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None

@@ -19,8 +19,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from ..model.llm.vllm.xavier.stats import XavierStats
-from .dispatch import RouteCounters
+from ..model.llm.vllm.xavier.stats import LatencySummary, XavierStats
+from .dispatch import ReplicaLatency, RouteCounters
 from .messages import ReplicaStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -163,6 +163,8 @@ class ReplicaSample:
 
     stats: ReplicaStats
     routing: RouteCounters | None = None
+    latency: ReplicaLatency | None = None  # measured by the front end's dispatcher
+    address: str = ""  # the replica's sub-pool (upstream's ``node`` label)
 
 
 def render(samples: Sequence[ReplicaSample]) -> bytes:
@@ -180,6 +182,8 @@ class _Snapshot:
 
     def collect(self) -> Iterator[Metric]:
         yield from _serving_metrics(self._samples)
+        yield from _latency_metrics(self._samples)
+        yield from _upstream_metrics(self._samples)
         yield from _xavier_metrics(self._samples)
 
 
@@ -232,6 +236,106 @@ def _serving_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
         yield family
 
 
+def _latency_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
+    measured = [(s.stats, s.latency) for s in samples if s.latency is not None]
+    yield _histogram(
+        "xinference_time_to_first_token_seconds",
+        "Time from a streamed request's arrival to its first token",
+        [(stats, latency.first_token.summary()) for stats, latency in measured],
+    )
+    yield _histogram(
+        "xinference_request_duration_seconds",
+        "Time from a request's arrival to its last token (successful requests)",
+        [(stats, latency.end_to_end.summary()) for stats, latency in measured],
+    )
+
+
+def _histogram(
+    name: str, help_text: str, rows: Sequence[tuple[ReplicaStats, LatencySummary]]
+) -> Metric:
+    """A per-replica histogram family from recorded latency summaries."""
+    family = HistogramMetricFamily(name, help_text, labels=_LABELS)
+    for stats, summary in rows:
+        family.add_metric(
+            _labels(stats),
+            _buckets(summary.buckets, summary.count),
+            sum_value=summary.sum_s,
+        )
+    return family
+
+
+# Upstream Xinference's series, under its names and labels, for its dashboards.
+_UPSTREAM_LABELS = ("type", "model", "node", "format", "quantization", "rank")
+
+
+def _upstream_labels(sample: ReplicaSample) -> dict[str, str]:
+    return {
+        "type": "LLM",
+        "model": sample.stats.model_uid,
+        "node": sample.address,
+        "format": "",
+        "quantization": "",
+        "rank": str(sample.stats.rank),
+    }
+
+
+def _upstream_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
+    # Metric, not CounterMetricFamily: the names must stay exactly upstream's
+    # (CounterMetricFamily would append "_total").
+    counters = [
+        ("prompt_tokens_total", "input_tokens_total_counter", "Input tokens"),
+        ("generated_tokens_total", "output_tokens_total_counter", "Output tokens"),
+        ("requests_total", "model_request_total", "Model requests"),
+    ]
+    for field_name, suffix, help_text in counters:
+        metric = Metric(f"xinference:{suffix}", help_text, "counter")
+        for sample in samples:
+            metric.add_sample(
+                metric.name,
+                _upstream_labels(sample),
+                float(getattr(sample.stats, field_name)),
+            )
+        yield metric
+    serving = Metric(
+        "xinference:model_serve_count", "Requests being served now", "gauge"
+    )
+    first_token = Metric(
+        "xinference:time_to_first_token_ms",
+        "Median first-token latency in ms of the recent streamed requests",
+        "gauge",
+    )
+    duration = HistogramMetricFamily(
+        "xinference:model_request_duration_seconds",
+        "Model request duration in seconds",
+        labels=_UPSTREAM_LABELS,
+    )
+    for sample in samples:
+        labels = _upstream_labels(sample)
+        serving.add_sample(serving.name, labels, float(sample.stats.requests_in_flight))
+        if sample.latency is None:
+            continue
+        median = sample.latency.first_token.summary().p50_s
+        if median is not None:
+            first_token.add_sample(first_token.name, labels, median * 1000)
+        end_to_end = sample.latency.end_to_end.summary()
+        duration.add_metric(
+            [labels[name] for name in _UPSTREAM_LABELS],
+            _buckets(end_to_end.buckets, end_to_end.count),
+            sum_value=end_to_end.sum_s,
+        )
+    yield serving
+    yield first_token
+    yield duration
+
+
+def _buckets(
+    cumulative: Sequence[tuple[float, int]], count: int
+) -> list[tuple[str, float]]:
+    buckets = [(repr(float(bound)), float(total)) for bound, total in cumulative]
+    buckets.append(("+Inf", float(count)))
+    return buckets
+
+
 def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
     # name -> family; label tuple -> value, summed (a series may add several stats)
     families: dict[str, Any] = {}
@@ -260,18 +364,13 @@ def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
 
 
 def _load_latency_histogram(samples: Sequence[ReplicaSample]) -> Metric:
-    """``xavier_load_seconds`` from each replica's ``load_latency`` summary
-    (cumulative ``(upper bound, count)`` buckets, their sum and count)."""
-    family = HistogramMetricFamily(
+    """``xavier_load_seconds`` from each replica's ``load_latency`` summary."""
+    return _histogram(
         "xavier_load_seconds",
         "Time from the start of a load from a peer to its result (successful loads)",
-        labels=_LABELS,
+        [
+            (sample.stats, sample.stats.xavier.load_latency)
+            for sample in samples
+            if sample.stats.xavier is not None
+        ],
     )
-    for sample in samples:
-        if sample.stats.xavier is None:
-            continue
-        summary = sample.stats.xavier.load_latency
-        buckets = [(repr(float(bound)), count) for bound, count in summary.buckets]
-        buckets.append(("+Inf", summary.count))
-        family.add_metric(_labels(sample.stats), buckets, sum_value=summary.sum_s)
-    return family

@@ -9,13 +9,18 @@ give the same errors.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, XavierConfig, parse_size
+from .engine_args import EngineArgumentError, validate_engine_args
 from .registry import registered_models
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ENGINES = ("vllm",)
 ROUTERS = ("round-robin", "cache-aware")
@@ -39,6 +44,8 @@ class EngineOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Further vLLM engine arguments, already checked by vLLM's parser: (name, value).
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,10 @@ class LaunchSpec:
     router: RouterSettings = field(default_factory=RouterSettings)
     model_path: str | None = None
     model_name: str | None = None
+    # Where the replicas run: a worker's IP (None: any) and the GPU indexes they
+    # spread over (None: all of the worker's GPUs).
+    worker_ip: str | None = None
+    gpu_idx: tuple[int, ...] | None = None
 
     @classmethod
     def from_options(
@@ -72,7 +83,7 @@ class LaunchSpec:
         model_uid: str | None = None,
         model_name: str | None = None,
         model_path: str | None = None,
-        model_engine: str = "vllm",
+        model_engine: str | None = "vllm",
         replica: int = 1,
         enable_xavier: bool = False,
         xavier_gpu_cache_bytes: int | str | None = None,
@@ -89,22 +100,66 @@ class LaunchSpec:
         gpu_memory_utilization: float | None = None,
         max_num_seqs: int | None = None,
         seed: int = 0,
+        # Upstream Xinference's launch keys (its client always sends them).
+        model_type: str | None = "LLM",
+        model_size_in_billions: int | str | None = None,
+        model_format: str | None = None,
+        quantization: str | None = None,
+        n_gpu: int | str | None = "auto",
+        n_worker: int = 1,
+        gpu_idx: int | list[int] | None = None,
+        worker_ip: str | None = None,
+        peft_model_config: dict[str, Any] | None = None,
+        request_limits: int | None = None,
+        replica_config: list[Any] | None = None,
+        enable_thinking: bool | None = None,
+        enable_virtual_env: bool | None = None,
+        virtual_env_packages: list[str] | None = None,
+        virtual_env_find_links: list[str] | None = None,
+        envs: dict[str, str] | None = None,
+        **engine_args: Any,
     ) -> LaunchSpec:
-        """Validate raw options; raises ``LaunchOptionError`` with a clear message."""
-        if (model_name is None) == (model_path is None):
-            raise LaunchOptionError(
-                "give exactly one of model_name (a registry name) or model_path"
+        """Validate raw options; raises ``LaunchOptionError`` with a clear message.
+
+        Keys that are not options here are vLLM engine arguments (``engine_args``),
+        checked by vLLM's own parser.
+        """
+        _check_upstream_options(
+            model_type=model_type,
+            model_format=model_format,
+            n_worker=n_worker,
+            peft_model_config=peft_model_config,
+            request_limits=request_limits,
+            replica_config=replica_config,
+            enable_thinking=enable_thinking,
+            enable_virtual_env=enable_virtual_env,
+            virtual_env_packages=virtual_env_packages,
+            virtual_env_find_links=virtual_env_find_links,
+            envs=envs,
+        )
+        if model_size_in_billions is not None:
+            logger.info(
+                "model_size_in_billions=%r noted and not used: the model directory "
+                "says what it holds",
+                model_size_in_billions,
             )
+        if quantization is not None and quantization.lower() != "none":
+            engine_args.setdefault("quantization", quantization)
+        tensor_parallel_size = _tensor_parallel_from_n_gpu(n_gpu, tensor_parallel_size)
+        gpus = _gpu_indexes(gpu_idx)
+        if model_name is None and model_path is None:
+            raise LaunchOptionError("give model_name (a registry name) or model_path")
         if model_path is not None and not Path(model_path).is_dir():
             raise LaunchOptionError(f"model_path {model_path!r} is not a directory")
-        if model_name is not None:
+        # With model_path, model_name only names the model (as upstream allows).
+        if model_name is not None and model_path is None:
             known = registered_models()
             if model_name not in known:
                 raise LaunchOptionError(
                     f"unknown model_name {model_name!r}; known: "
                     f"{', '.join(sorted(known))} (or pass model_path)"
                 )
-        engine_name = (model_engine or "").lower()
+        engine_name = (model_engine or "vllm").lower()
         uid = model_uid or default_model_uid(model_name, model_path)
         if not _UID.match(uid):
             raise LaunchOptionError(
@@ -148,6 +203,10 @@ class LaunchSpec:
             raise LaunchOptionError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
+        try:
+            extra = validate_engine_args(engine_args, xavier=xavier.enabled)
+        except EngineArgumentError as error:
+            raise LaunchOptionError(str(error)) from None
         return cls(
             model_uid=uid,
             model_engine=engine_name,
@@ -163,24 +222,18 @@ class LaunchSpec:
                 seed=int(seed),
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
+                extra=extra,
             ),
             router=RouterSettings(kind=router, busy_margin=router_busy_margin),
             model_path=None if model_path is None else str(Path(model_path).resolve()),
             model_name=model_name,
+            worker_ip=worker_ip or None,
+            gpu_idx=gpus,
         )
 
     def with_model_path(self, path: str) -> LaunchSpec:
         """The same spec once the registry resolved ``model_name`` to a directory."""
-        return LaunchSpec(
-            model_uid=self.model_uid,
-            model_engine=self.model_engine,
-            replica=self.replica,
-            xavier=self.xavier,
-            engine=self.engine,
-            router=self.router,
-            model_path=path,
-            model_name=self.model_name,
-        )
+        return dataclasses.replace(self, model_path=path)
 
 
 def _xavier_config(
@@ -235,6 +288,84 @@ def _xavier_config(
         )
     except ValueError as error:
         raise LaunchOptionError(str(error)) from None
+
+
+# Upstream keys that carry nothing here when left at these values; any other value
+# asks for something this server does not do, and is refused rather than dropped.
+_UNSUPPORTED_UNLESS_EMPTY = {
+    "n_worker": (1, "a replica runs on one worker here"),
+    "request_limits": (None, "per-model request limits are not implemented"),
+    "replica_config": (None, "placement per replica is not implemented; use gpu_idx"),
+    "enable_thinking": (None, "chat template options are not implemented"),
+    "enable_virtual_env": (None, "models run in the server's own environment"),
+    "virtual_env_packages": (None, "models run in the server's own environment"),
+    "virtual_env_find_links": (None, "models run in the server's own environment"),
+    "envs": (None, "replicas inherit the worker's environment"),
+}
+# Weight formats vLLM loads from a model directory (GGUF and the rest are not).
+_MODEL_FORMATS = ("pytorch", "safetensors", "gptq", "awq", "fp8", "bnb")
+
+
+def _check_upstream_options(
+    *,
+    model_type: str | None,
+    model_format: str | None,
+    peft_model_config: dict[str, Any] | None,
+    **settings: Any,
+) -> None:
+    if model_type is not None and model_type.upper() != "LLM":
+        raise LaunchOptionError(
+            f"model_type {model_type!r} is not served here: only LLM models "
+            "(through vLLM) are"
+        )
+    if model_format is not None and model_format.lower() not in _MODEL_FORMATS:
+        raise LaunchOptionError(
+            f"model_format {model_format!r} is not supported: vLLM here loads "
+            f"{', '.join(_MODEL_FORMATS)} model directories"
+        )
+    if peft_model_config and any(peft_model_config.values()):
+        raise LaunchOptionError(
+            "peft_model_config (LoRA adapters) is not supported by this server"
+        )
+    for name, value in settings.items():
+        neutral, why = _UNSUPPORTED_UNLESS_EMPTY[name]
+        if value != neutral and value not in (None, False, [], {}):
+            raise LaunchOptionError(f"{name}={value!r} is not supported: {why}")
+
+
+def _tensor_parallel_from_n_gpu(n_gpu: Any, tensor_parallel_size: Any) -> Any:
+    """Upstream's ``n_gpu`` is GPUs per replica: here the tensor-parallel size."""
+    if isinstance(n_gpu, str) and n_gpu.lower() == "auto":
+        return tensor_parallel_size
+    if n_gpu is None or (isinstance(n_gpu, str) and n_gpu.lower() == "none"):
+        raise LaunchOptionError(
+            "n_gpu=None (CPU only) cannot be chosen per model: the engine runs on "
+            "the device the installed vLLM build targets"
+        )
+    if isinstance(n_gpu, str) and n_gpu.isdigit():
+        n_gpu = int(n_gpu)
+    _require_int("n_gpu", n_gpu, minimum=1)
+    if tensor_parallel_size not in (1, n_gpu):
+        raise LaunchOptionError(
+            f"n_gpu={n_gpu} and tensor_parallel_size={tensor_parallel_size} "
+            "disagree: give one of them"
+        )
+    return n_gpu
+
+
+def _gpu_indexes(gpu_idx: Any) -> tuple[int, ...] | None:
+    if gpu_idx is None:
+        return None
+    indexes = [gpu_idx] if isinstance(gpu_idx, int) else gpu_idx
+    if not isinstance(indexes, list | tuple) or not indexes:
+        raise LaunchOptionError(
+            f"gpu_idx must be a GPU index or a list of them, got {gpu_idx!r}"
+        )
+    for index in indexes:
+        _require_int("gpu_idx", index, minimum=0)
+    if len(set(indexes)) != len(indexes):
+        raise LaunchOptionError(f"gpu_idx repeats a GPU: {list(indexes)}")
+    return tuple(indexes)
 
 
 def _require_bool(name: str, value: Any) -> bool:

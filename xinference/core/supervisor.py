@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import xoscar as xo
@@ -75,6 +76,7 @@ class _Deployment:
     models: dict[int, Any] = field(default_factory=dict)  # rank -> model actor ref
     model_path: str = ""
     ucx: str = ""  # the UCX transports the replicas may use (placement's account)
+    task: asyncio.Task[DeploymentInfo] | None = None  # the launch, while it runs
 
     def progress(self) -> LaunchProgress:
         return LaunchProgress(
@@ -105,19 +107,65 @@ class SupervisorActor(xo.StatelessActor):
 
     # ---- launch -------------------------------------------------------------------
 
-    async def launch_model(self, options: dict[str, Any]) -> DeploymentInfo:
-        """Validate raw launch options, then launch; see ``launch``."""
-        return await self.launch(LaunchSpec.from_options(**options))
+    async def launch_model(
+        self, options: dict[str, Any], wait_ready: bool = True
+    ) -> DeploymentInfo | str:
+        """Validate raw launch options, then launch; see ``launch``. Without
+        ``wait_ready`` the launch goes on in the background and its uid returns as
+        soon as it is registered (``progress``, ``cancel_launch`` follow it)."""
+        # Free engine arguments are checked by vLLM's parser, whose import takes
+        # seconds: not on the actor's event loop.
+        spec = await asyncio.to_thread(lambda: LaunchSpec.from_options(**options))
+        record = self._register(spec)
+        record.task = asyncio.create_task(self._run_launch(record))
+        if not wait_ready:
+            record.task.add_done_callback(_log_background_failure)
+            return spec.model_uid
+        return await asyncio.shield(record.task)
 
     async def launch(self, spec: LaunchSpec) -> DeploymentInfo:
         """Launch ``spec`` and return once every replica serves."""
+        record = self._register(spec)
+        record.task = asyncio.create_task(self._run_launch(record))
+        return await asyncio.shield(record.task)
+
+    async def cancel_launch(self, model_uid: str) -> None:
+        """Stop a launch in progress; what it started is torn down before this
+        returns. A model that is already ready is terminated, not cancelled."""
+        record = self._record(model_uid)
+        if record.state != "launching" or record.task is None:
+            raise LaunchOptionError(
+                f"model {model_uid!r} is {record.state}, not launching: "
+                "terminate it instead"
+            )
+        record.task.cancel()
+        await asyncio.gather(record.task, return_exceptions=True)
+
+    def _register(self, spec: LaunchSpec) -> _Deployment:
         uid = spec.model_uid
         if uid in self._models:
             raise LaunchOptionError(f"model {uid!r} is already launched")
         if not self._workers:
             raise RuntimeError("no worker is registered with the supervisor")
+        self._pick_worker(spec.worker_ip)  # refuse an unknown worker_ip up front
         record = _Deployment(spec)
         self._models[uid] = record
+        return record
+
+    def _pick_worker(self, worker_ip: str | None) -> Any:
+        if worker_ip is None:
+            return next(iter(self._workers.values()))
+        for address, ref in self._workers.items():
+            if _host(address) == worker_ip:
+                return ref
+        known = ", ".join(sorted({_host(address) for address in self._workers}))
+        raise LaunchOptionError(
+            f"no worker at worker_ip {worker_ip!r}; workers are at: {known}"
+        )
+
+    async def _run_launch(self, record: _Deployment) -> DeploymentInfo:
+        spec = record.spec
+        uid = spec.model_uid
         logger.info(
             "launching %s: %d replica(s) of %s with %s, router %s; %s",
             uid,
@@ -159,23 +207,36 @@ class SupervisorActor(xo.StatelessActor):
             )
         else:
             record.model_path = spec.model_path
-        record.worker = next(iter(self._workers.values()))
+        record.worker = self._pick_worker(spec.worker_ip)
         if spec.xavier.enabled:
             record.detail = "creating the block tracker"
             record.tracker = await xo.create_actor(
                 BlockTrackerActor, address=self.address, uid=tracker_uid(uid)
             )
         placements = await _deadline(
-            record.worker.plan(spec.replica, spec.xavier.enabled), RPC_TIMEOUT_S
+            record.worker.plan(spec.replica, spec.xavier.enabled, spec.gpu_idx),
+            RPC_TIMEOUT_S,
         )
         record.detail = f"starting {spec.replica} replica sub-pool(s)"
         record.ucx = placements[0].ucx if placements else ""
 
         async def start_pool(rank: int) -> None:
-            record.addresses[rank] = await _deadline(
-                record.worker.start_replica_pool(placements[rank]),
-                POOL_START_TIMEOUT_S,
+            call = asyncio.ensure_future(
+                _deadline(
+                    record.worker.start_replica_pool(placements[rank]),
+                    POOL_START_TIMEOUT_S,
+                )
             )
+            try:
+                record.addresses[rank] = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                # Cancelled (terminate or cancel during the launch) while the pool
+                # starts: let it finish, so that teardown knows it and removes it.
+                try:
+                    record.addresses[rank] = await call
+                except Exception:
+                    pass  # it did not start: nothing to remove
+                raise
 
         await _all(start_pool(rank) for rank in range(spec.replica))
         record.detail = f"loading {spec.replica} engine(s)"
@@ -305,7 +366,11 @@ class SupervisorActor(xo.StatelessActor):
     async def terminate_model(self, model_uid: str) -> dict[int, dict[str, Any]]:
         """Tear a model down; each replica's final Xavier counters (rank -> stats)."""
         record = self._record(model_uid)
-        if record.state in ("launching", "terminating"):
+        if record.state == "launching":
+            # Cancelling tears down whatever the launch started; nothing to count.
+            await self.cancel_launch(model_uid)
+            return {}
+        if record.state == "terminating":
             raise LaunchOptionError(f"model {model_uid!r} is {record.state}")
         record.state = "terminating"
         record.detail = "terminating"
@@ -315,7 +380,10 @@ class SupervisorActor(xo.StatelessActor):
             del self._models[model_uid]
 
     async def terminate_all(self) -> None:
-        for uid in [u for u, r in self._models.items() if r.state == "ready"]:
+        """Every model, launches in progress included (they are cancelled)."""
+        for uid in [
+            u for u, r in self._models.items() if r.state in ("ready", "launching")
+        ]:
             await self.terminate_model(uid)
 
     async def _teardown(self, record: _Deployment) -> dict[int, dict[str, Any]]:
@@ -396,7 +464,19 @@ class SupervisorActor(xo.StatelessActor):
             tracker_uid=tracker_uid(spec.model_uid) if record.tracker else None,
             hash_namespace=_one_namespace(record.replicas.values()),
             created=record.created,
+            model_name=spec.model_name or Path(record.model_path).name,
+            quantization=dict(spec.engine.extra).get("quantization"),
         )
+
+
+def _host(address: str) -> str:
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+def _log_background_failure(task: asyncio.Task[Any]) -> None:
+    """A launch nobody waits for: its failure is logged (and shows in progress)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("background launch failed: %r", task.exception())
 
 
 def _one_namespace(replicas: Any) -> str | None:

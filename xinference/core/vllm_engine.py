@@ -56,6 +56,9 @@ def build_engine_args(spec: ReplicaSpec) -> Any:
             kwargs[name] = value
     if options.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+    # The user's further engine arguments, checked at launch (``engine_args.py``);
+    # they may change the defaults above, never what Xavier sets below.
+    kwargs.update(options.extra)
     if spec.xavier is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=XAVIER_CONNECTOR,

@@ -21,6 +21,7 @@ import xoscar as xo
 
 from .messages import ReplicaInfo, ReplicaSpec
 from .model import ReplicaModelActor, model_actor_uid
+from .options import LaunchOptionError
 from .placement import ReplicaPlacement, plan_replicas
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,25 @@ class WorkerActor(xo.StatelessActor):
     async def gpus(self) -> tuple[str, ...]:
         return self._gpus or ()
 
-    async def plan(self, num_replicas: int, xavier: bool) -> list[ReplicaPlacement]:
-        """Placements of a model's replicas on this host, environment included."""
+    async def plan(
+        self,
+        num_replicas: int,
+        xavier: bool,
+        gpu_idx: Sequence[int] | None = None,
+    ) -> list[ReplicaPlacement]:
+        """Placements of a model's replicas on this host, environment included;
+        ``gpu_idx`` picks which of this worker's GPUs they spread over."""
+        gpus = self._gpus or ()
+        if gpu_idx is not None:
+            missing = [index for index in gpu_idx if index >= len(gpus)]
+            if missing:
+                raise LaunchOptionError(
+                    f"gpu_idx {missing} not on worker {self.address}: it has "
+                    f"{len(gpus)} GPU(s)"
+                )
+            gpus = tuple(gpus[index] for index in gpu_idx)
         return plan_replicas(
-            num_replicas, gpus=self._gpus or (), xavier=xavier, user_env=os.environ
+            num_replicas, gpus=gpus, xavier=xavier, user_env=os.environ
         )
 
     async def start_replica_pool(self, placement: ReplicaPlacement) -> str:

@@ -4,11 +4,15 @@
     xinference launch --model-engine vllm --model-path PATH --replica 2 \\
         --enable-xavier --xavier-gpu-cache-bytes 256MiB
     xinference launch --model-name tiny-qwen2 --replica 2 --enable-xavier
-    xinference list
+    xinference launch -n tiny-qwen2 -en vllm -r 2 --enable_xavier true \\
+        --max_num_batched_tokens 1024 -e http://127.0.0.1:9997
+    xinference list -e URL
     xinference terminate --model-uid UID
 
-The client commands talk to ``--endpoint`` (default ``$XINFERENCE_ENDPOINT`` or
-http://127.0.0.1:9997). ``python -m xinference.deploy.cmdline`` is ``xinference``
+Upstream Xinference's option names and short flags work; further ``--key value``
+pairs set an option of that name or a vLLM engine argument. The client commands
+talk to ``-e/--endpoint``, given before or after the subcommand (default
+``$XINFERENCE_ENDPOINT`` or http://127.0.0.1:9997). ``python -m xinference.deploy.cmdline`` is ``xinference``
 (``local`` is also a subcommand there).
 """
 
@@ -26,6 +30,7 @@ import click
 import httpx
 
 from ..client.restful_client import Client, XinferenceError
+from ..core.engine_args import parse_cli_value
 from ..core.messages import format_counters
 from ..core.options import default_model_uid
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
@@ -38,9 +43,9 @@ PROGRESS_POLL_S = 1.0
 
 
 @click.command("local")
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", "-H", default="127.0.0.1", show_default=True)
 @click.option(
-    "--port", default=9997, show_default=True, type=int, help="0: any free port"
+    "--port", "-p", default=9997, show_default=True, type=int, help="0: any free port"
 )
 @click.option(
     "--log-level",
@@ -77,6 +82,23 @@ async def _serve_local(host: str, port: int) -> None:
 
 # ---- xinference -------------------------------------------------------------------
 
+# Upstream puts -e on each subcommand; the group's -e (before the subcommand) also
+# works. The subcommand's wins.
+endpoint_option = click.option(
+    "--endpoint",
+    "-e",
+    default=None,
+    help="server URL (default: the group's --endpoint, $XINFERENCE_ENDPOINT or "
+    + DEFAULT_ENDPOINT
+    + ")",
+)
+api_key_option = click.option(
+    "--api-key",
+    "-ak",
+    default=None,
+    help="accepted for upstream compatibility; this server has no authentication",
+)
+
 
 @click.group()
 @click.option(
@@ -94,7 +116,17 @@ def cli(ctx: click.Context, endpoint: str) -> None:
 cli.add_command(local)
 
 
-@cli.command()
+def _endpoint(ctx: click.Context, endpoint: str | None, api_key: str | None) -> str:
+    if api_key is not None:
+        click.echo(
+            "note: --api-key ignored: this server has no authentication", err=True
+        )
+    return endpoint or ctx.obj or DEFAULT_ENDPOINT
+
+
+@cli.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
+@endpoint_option
+@api_key_option
 @click.option("--model-name", "-n", default=None, help="a name from the local registry")
 @click.option(
     "--model-path",
@@ -103,8 +135,35 @@ cli.add_command(local)
     help="a local model directory",
 )
 @click.option("--model-uid", "-u", default=None, help="default: the name or dir name")
-@click.option("--model-engine", default="vllm", show_default=True)
-@click.option("--replica", default=1, show_default=True, type=int)
+@click.option("--model-type", "-t", default="LLM", show_default=True)
+@click.option("--model-engine", "-en", default="vllm", show_default=True)
+@click.option("--size-in-billions", "-s", default=None, help="noted, not used")
+@click.option("--model-format", "-f", default=None, help="pytorch, gptq, awq, ...")
+@click.option("--quantization", "-q", default=None, help="passed to vLLM")
+@click.option("--replica", "-r", default=1, show_default=True, type=int)
+@click.option(
+    "--n-gpu",
+    default="auto",
+    show_default=True,
+    help="GPUs per replica (its tensor-parallel size)",
+)
+@click.option("--worker-ip", default=None, help="the worker to run on")
+@click.option(
+    "--gpu-idx", default=None, help="GPU indexes the replicas spread over, e.g. 0,1"
+)
+@click.option(
+    "--trust-remote-code",
+    default=None,
+    type=bool,
+    help="vLLM's trust_remote_code (default: vLLM's)",
+)
+@click.option(
+    "--lora-modules",
+    "-lm",
+    multiple=True,
+    type=(str, str),
+    help="NAME PATH of a LoRA adapter (not supported here: refused)",
+)
 @click.option("--enable-xavier", is_flag=True, help="share prefix KV between replicas")
 @click.option(
     "--xavier-gpu-cache-bytes",
@@ -138,9 +197,41 @@ cli.add_command(local)
 @click.option("--gpu-memory-utilization", default=None, type=float)
 @click.option("--max-num-seqs", default=None, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.pass_obj
-def launch(endpoint: str, **options: Any) -> None:
-    """Launch a model and wait until every replica serves."""
+@click.pass_context
+def launch(
+    ctx: click.Context,
+    endpoint: str | None,
+    api_key: str | None,
+    size_in_billions: str | None,
+    n_gpu: str,
+    gpu_idx: str | None,
+    trust_remote_code: bool | None,
+    lora_modules: tuple[tuple[str, str], ...],
+    **options: Any,
+) -> None:
+    """Launch a model and wait until every replica serves.
+
+    Further `--key value` pairs (upstream's form, e.g. `--enable_xavier true` or
+    `--max_num_batched_tokens 1024`) set the option of that name, or else the vLLM
+    engine argument, checked by vLLM's own parser before anything starts.
+    """
+    endpoint = _endpoint(ctx, endpoint, api_key)
+    options.update(
+        model_size_in_billions=size_in_billions,
+        n_gpu=n_gpu,
+        gpu_idx=_gpu_indexes(gpu_idx),
+        trust_remote_code=trust_remote_code,
+        peft_model_config=(
+            {"lora_list": [{"lora_name": n, "local_path": p} for n, p in lora_modules]}
+            if lora_modules
+            else None
+        ),
+    )
+    for name, value in _free_arguments(ctx.args).items():
+        source = ctx.get_parameter_source(name)
+        if source == click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"{name} is given twice")
+        options[name] = value
     uid = options["model_uid"]
     if uid is None and (options["model_name"] or options["model_path"]):
         uid = default_model_uid(options["model_name"], options["model_path"])
@@ -172,6 +263,38 @@ def launch(endpoint: str, **options: Any) -> None:
         )
 
 
+def _gpu_indexes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: give comma-separated GPU indexes", param_hint="--gpu-idx"
+        ) from None
+
+
+def _free_arguments(args: list[str]) -> dict[str, Any]:
+    """``--key value`` pairs after the known options (a ``--key`` followed by
+    another option or by nothing is a switch: true)."""
+    free: dict[str, Any] = {}
+    index = 0
+    while index < len(args):
+        token = args[index]
+        if not token.startswith("--") or len(token) == 2:
+            raise click.UsageError(
+                f"unexpected argument {token!r}: further options are `--key value`"
+            )
+        name = token[2:].replace("-", "_")
+        if index + 1 < len(args) and not args[index + 1].startswith("--"):
+            free[name] = parse_cli_value(args[index + 1])
+            index += 2
+        else:
+            free[name] = True
+            index += 1
+    return free
+
+
 def _show_progress(endpoint: str, uid: str, done: threading.Event) -> None:
     """Print the launch's progress whenever it changes (polls its own client)."""
     last = None
@@ -191,9 +314,12 @@ def _show_progress(endpoint: str, uid: str, done: threading.Event) -> None:
 
 
 @cli.command("list")
-@click.pass_obj
-def list_models(endpoint: str) -> None:
+@endpoint_option
+@api_key_option
+@click.pass_context
+def list_models(ctx: click.Context, endpoint: str | None, api_key: str | None) -> None:
     """List launched models."""
+    endpoint = _endpoint(ctx, endpoint, api_key)
     try:
         with Client(endpoint) as client:
             models = client.list_models()
@@ -205,7 +331,7 @@ def list_models(endpoint: str) -> None:
         click.echo("no models")
         return
     click.echo(f"{'UID':<24} {'STATUS':<10} {'REPLICAS':<9} XAVIER")
-    for model in models:
+    for model in models.values():
         click.echo(
             f"{model['id']:<24} {model['status']:<10} "
             f"{model['replicas_ready']}/{model['replica']:<7} {model.get('xavier', '')}"
@@ -213,10 +339,16 @@ def list_models(endpoint: str) -> None:
 
 
 @cli.command()
+@endpoint_option
+@api_key_option
 @click.option("--model-uid", "-u", required=True)
-@click.pass_obj
-def terminate(endpoint: str, model_uid: str) -> None:
-    """Terminate a model; prints each replica's final Xavier counters."""
+@click.pass_context
+def terminate(
+    ctx: click.Context, endpoint: str | None, api_key: str | None, model_uid: str
+) -> None:
+    """Terminate a model (a launch in progress too); prints each replica's final
+    Xavier counters."""
+    endpoint = _endpoint(ctx, endpoint, api_key)
     try:
         with Client(endpoint) as client:
             result = client.terminate_model(model_uid)
