@@ -10,7 +10,8 @@ Launching a model with ``replica=N``:
    tracker and where its transfer actor will live;
 5. once every replica has loaded, create the transfer actors.
 
-Terminating reverses it: engines first (no new loads start), then the transfer
+Terminating reverses it (terminating a model still launching cancels the launch,
+which then tears down what it started): engines first (no new loads start), then the transfer
 actors (they drain and log their counters), then the sub-pools and whatever they
 spawned, then the tracker. A launch that fails half-way is torn down the same way.
 """
@@ -59,6 +60,10 @@ class TeardownError(RuntimeError):
     """Some teardown steps failed; every step was still attempted."""
 
 
+class LaunchCancelled(RuntimeError):
+    """The launch was cancelled by a terminate before every replica served."""
+
+
 @dataclass
 class _Deployment:
     """The supervisor's private, mutable record of one model."""
@@ -74,6 +79,9 @@ class _Deployment:
     replicas: dict[int, ReplicaInfo] = field(default_factory=dict)  # rank -> loaded
     models: dict[int, Any] = field(default_factory=dict)  # rank -> model actor ref
     model_path: str = ""
+    launch_task: asyncio.Task[Any] | None = None  # the launch call, while it runs
+    cancelled: bool = False
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # record removed
 
     def progress(self) -> LaunchProgress:
         return LaunchProgress(
@@ -115,7 +123,7 @@ class SupervisorActor(xo.StatelessActor):
             raise LaunchOptionError(f"model {uid!r} is already launched")
         if not self._workers:
             raise RuntimeError("no worker is registered with the supervisor")
-        record = _Deployment(spec)
+        record = _Deployment(spec, launch_task=asyncio.current_task())
         self._models[uid] = record
         logger.info(
             "launching %s: %d replica(s) of %s with %s, router %s; %s",
@@ -132,6 +140,10 @@ class SupervisorActor(xo.StatelessActor):
         except BaseException as error:
             record.state = "failed"
             logger.error("launching %s failed: %r; tearing down", uid, error)
+            task = asyncio.current_task()
+            if record.cancelled and isinstance(error, asyncio.CancelledError) and task:
+                # Our own cancel, handled here: the teardown's waits must not see it.
+                task.uncancel()
             try:
                 await self._teardown(record)
             except TeardownError as teardown_error:
@@ -139,9 +151,13 @@ class SupervisorActor(xo.StatelessActor):
                 logger.error("%s", teardown_error)
             finally:
                 del self._models[uid]
+                record.gone.set()
+            if record.cancelled:
+                raise LaunchCancelled(f"the launch of {uid!r} was cancelled") from None
             raise
         finally:
             ticker.cancel()
+            record.launch_task = None
         record.state = "ready"
         record.detail = f"ready in {time.monotonic() - record.started:.1f} s"
         logger.info("%s is ready: %s", uid, record.detail)
@@ -303,6 +319,9 @@ class SupervisorActor(xo.StatelessActor):
     async def terminate_model(self, model_uid: str) -> dict[int, dict[str, Any]]:
         """Tear a model down; each replica's final Xavier counters (rank -> stats)."""
         record = self._record(model_uid)
+        if record.state == "launching" and record.launch_task is not None:
+            await self._cancel_launch(record)
+            return {}
         if record.state in ("launching", "terminating"):
             raise LaunchOptionError(f"model {model_uid!r} is {record.state}")
         record.state = "terminating"
@@ -311,6 +330,15 @@ class SupervisorActor(xo.StatelessActor):
             return await self._teardown(record)
         finally:
             del self._models[model_uid]
+
+    async def _cancel_launch(self, record: _Deployment) -> None:
+        """Cancel a launch in progress and wait until it has torn itself down."""
+        assert record.launch_task is not None
+        logger.info("cancelling the launch of %s", record.spec.model_uid)
+        record.cancelled = True
+        record.detail = "cancelling"
+        record.launch_task.cancel()
+        await _deadline(record.gone.wait(), SHUTDOWN_TIMEOUT_S + RPC_TIMEOUT_S)
 
     async def terminate_all(self) -> None:
         for uid in [u for u, r in self._models.items() if r.state == "ready"]:
