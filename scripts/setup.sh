@@ -6,6 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The web page's browser test needs Chromium: Debian's package, where apt-get exists
+# and we are root (elsewhere that test skips, saying why).
+if [[ ! -x /usr/bin/chromium && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  apt-get update -q && apt-get install -y -q chromium
+fi
 stamp=.venv/.xavier-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then

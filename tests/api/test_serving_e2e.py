@@ -66,6 +66,9 @@ class Run:
     texts: list[str] = field(default_factory=list)
     replicas: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    # X-Xinference-Xavier-External-Tokens and -Holder of each workload response
+    external_tokens: list[int] = field(default_factory=list)
+    holders: list[str | None] = field(default_factory=list)
     stream_text: str = ""
     chat_text: str = ""
     prefix_lookups: list[dict[str, Any]] = field(default_factory=list)
@@ -100,6 +103,11 @@ def serve_workload(server: LocalServer, uid: str, run: Run, *, xavier: bool) -> 
             run.cached_tokens.append(
                 body["usage"]["prompt_tokens_details"]["cached_tokens"]
             )
+            headers = response.headers
+            run.external_tokens.append(
+                int(headers["x-xinference-xavier-external-tokens"])
+            )
+            run.holders.append(headers.get("x-xinference-xavier-holder"))
         with http.stream(
             "POST",
             "/v1/completions",
@@ -293,6 +301,14 @@ def test_second_replica_serves_the_shared_prefix_from_the_first(
     assert xavier_run.replicas == [0, 1] * WORKLOAD.groups
     second = xavier_run.cached_tokens[1 :: WORKLOAD.per_group]
     assert all(tokens >= PREFIX_BLOCKS * 32 for tokens in second), second
+    # each response says what Xavier loaded for it, and from whom
+    loaded = xavier_run.external_tokens[1 :: WORKLOAD.per_group]
+    assert all(
+        PREFIX_BLOCKS * 32 <= n <= c for n, c in zip(loaded, second, strict=True)
+    ), loaded
+    assert xavier_run.holders[1 :: WORKLOAD.per_group] == ["0"] * WORKLOAD.groups
+    assert xavier_run.external_tokens[:: WORKLOAD.per_group] == [0] * WORKLOAD.groups
+    assert xavier_run.holders[:: WORKLOAD.per_group] == [None] * WORKLOAD.groups
     hits = metric(xavier_run, "xavier_remote_hits_total", 1)
     assert hits >= PREFIX_BLOCKS * WORKLOAD.groups
     assert metric(xavier_run, "xavier_external_tokens_loaded_total", 1) == hits * 32
@@ -337,6 +353,8 @@ def test_rest_launch_serves_without_xavier(plain_run: Run) -> None:
     assert plain_run.replicas == [0, 1] * WORKLOAD.groups
     # without Xavier the second replica computes the prefix itself
     assert plain_run.cached_tokens[1 :: WORKLOAD.per_group] == [0] * WORKLOAD.groups
+    assert plain_run.external_tokens == [0] * len(plain_run.external_tokens)
+    assert set(plain_run.holders) == {None}
 
 
 def test_rest_terminate_leaves_no_process(plain_run: Run) -> None:

@@ -7,15 +7,20 @@
     GET    /v1/models/{uid}/progress  launch progress (``progress``: 0..1, as upstream)
     POST   /v1/models/{uid}/cancel    stop a launch in progress and tear it down
     GET    /v1/models/{uid}/replicas  each replica's own report (from its process)
+    GET    /v1/models/{uid}/stats     each replica's counters and Xavier stats (JSON)
     POST   /v1/models/{uid}/prefix    who holds the longest cached prefix of a prompt
-    DELETE /v1/models/{uid}           terminate; returns the final Xavier counters
+    DELETE /v1/models/{uid}           terminate (or cancel a launch: it answers 409);
+                                      returns the final Xavier counters
     POST   /v1/completions            OpenAI completions, streamed (SSE) or not
     POST   /v1/chat/completions       OpenAI chat completions, streamed (SSE) or not
     GET    /metrics                   Prometheus text, per replica
+    GET    /                          the web page (``web/``, static files under /web)
 
 The app talks to the supervisor for management and to the replicas (through
 ``ReplicaDispatcher``) for serving. A response served by a replica names it in the
-``X-Xinference-Replica`` header.
+``X-Xinference-Replica`` header; a non-streamed one also says in
+``X-Xinference-Xavier-External-Tokens`` how many prompt tokens Xavier loaded from
+another replica, and from which in ``X-Xinference-Xavier-Holder`` (when it did).
 """
 
 from __future__ import annotations
@@ -27,17 +32,19 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import xoscar as xo
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 
 from ..core.dispatch import ReplicaDispatcher, Route
 from ..core.messages import DeploymentInfo, GenerationChunk, GenerationRequest
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
 from ..core.options import LaunchOptionError
-from ..core.supervisor import SupervisorActor
+from ..core.supervisor import LaunchCancelled, SupervisorActor
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +55,9 @@ from .schemas import (
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "X-Xinference-Replica"
+EXTERNAL_TOKENS_HEADER = "X-Xinference-Xavier-External-Tokens"
+HOLDER_HEADER = "X-Xinference-Xavier-Holder"
+WEB_DIR = Path(__file__).resolve().parent / "web"
 
 
 class ModelHub:
@@ -115,6 +125,10 @@ def create_app(supervisor_address: str) -> FastAPI:
         }
         return JSONResponse(body, status_code=400)
 
+    @app.exception_handler(LaunchCancelled)
+    async def _cancelled(_: Request, error: LaunchCancelled) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=409)
+
     @app.exception_handler(LookupError)
     async def _not_found(_: Request, error: LookupError) -> JSONResponse:
         return JSONResponse({"detail": _message(error)}, status_code=404)
@@ -127,6 +141,12 @@ def create_app(supervisor_address: str) -> FastAPI:
     @app.get("/status")
     async def status() -> dict[str, Any]:
         return {"ok": True}
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(WEB_DIR / "index.html")
+
+    app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
     # ---- management ---------------------------------------------------------------
 
@@ -189,6 +209,14 @@ def create_app(supervisor_address: str) -> FastAPI:
         models = await hub()
         reports = await models.supervisor.report_replicas(model_uid)
         return [_report_json(report) for report in reports]
+
+    @app.get("/v1/models/{model_uid}/stats")
+    async def stats(model_uid: str) -> list[dict[str, Any]]:
+        """Each replica's serving counters and Xavier stats, as ``/metrics`` has
+        them, in JSON (``xavier`` is None with Xavier off)."""
+        models = await hub()
+        reports = await models.supervisor.collect_stats(model_uid)
+        return [dataclasses.asdict(replica) for replica in reports]
 
     @app.post("/v1/models/{model_uid}/prefix")
     async def prefix(model_uid: str, body: PrefixRequest) -> dict[str, Any]:
@@ -256,7 +284,7 @@ def create_app(supervisor_address: str) -> FastAPI:
             )
         chunk = await _generate(dispatcher, route, request)
         payload = chunk_json(chunk) | {"usage": _usage(chunk)}
-        return JSONResponse(payload, headers=headers)
+        return JSONResponse(payload, headers=headers | _load_headers(chunk))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -303,7 +331,7 @@ def create_app(supervisor_address: str) -> FastAPI:
             ],
             "usage": _usage(chunk),
         }
-        return JSONResponse(payload, headers=headers)
+        return JSONResponse(payload, headers=headers | _load_headers(chunk))
 
     # ---- metrics ------------------------------------------------------------------
 
@@ -418,6 +446,14 @@ def _usage(chunk: GenerationChunk) -> dict[str, Any]:
     if chunk.cached_prompt_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": chunk.cached_prompt_tokens}
     return usage
+
+
+def _load_headers(chunk: GenerationChunk) -> dict[str, str]:
+    """What Xavier loaded for a finished request, as response headers."""
+    headers = {EXTERNAL_TOKENS_HEADER: str(chunk.external_prompt_tokens)}
+    if chunk.external_holder_rank is not None:
+        headers[HOLDER_HEADER] = str(chunk.external_holder_rank)
+    return headers
 
 
 def _upstream_description(deployment: DeploymentInfo) -> dict[str, Any]:

@@ -124,6 +124,10 @@ class GenerationChunk:
     completion_tokens: int = 0
     # Prompt tokens the engine did not compute (local prefix cache or Xavier load).
     cached_prompt_tokens: int | None = None
+    # Of those, the tokens Xavier loaded from another replica, and that replica's
+    # rank (set on a request's last chunk; 0 and None when nothing was loaded).
+    external_prompt_tokens: int = 0
+    external_holder_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,11 @@ class TeardownError(RuntimeError):
     """Some teardown steps failed; every step was still attempted."""
 
 
+class LaunchCancelled(RuntimeError):
+    """The launch was cancelled (``cancel_launch``, or a terminate) before every
+    replica served."""
+
+
 @dataclass
 class _Deployment:
     """The supervisor's private, mutable record of one model."""
@@ -121,13 +126,13 @@ class SupervisorActor(xo.StatelessActor):
         if not wait_ready:
             record.task.add_done_callback(_log_background_failure)
             return spec.model_uid
-        return await asyncio.shield(record.task)
+        return await _launch_result(record)
 
     async def launch(self, spec: LaunchSpec) -> DeploymentInfo:
         """Launch ``spec`` and return once every replica serves."""
         record = self._register(spec)
         record.task = asyncio.create_task(self._run_launch(record))
-        return await asyncio.shield(record.task)
+        return await _launch_result(record)
 
     async def cancel_launch(self, model_uid: str) -> None:
         """Stop a launch in progress; what it started is torn down before this
@@ -471,6 +476,20 @@ class SupervisorActor(xo.StatelessActor):
 
 def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+async def _launch_result(record: _Deployment) -> DeploymentInfo:
+    """Wait for a launch; a launch that was cancelled raises ``LaunchCancelled``
+    (our caller being cancelled still raises ``CancelledError``)."""
+    assert record.task is not None
+    try:
+        return await asyncio.shield(record.task)
+    except asyncio.CancelledError:
+        if record.task.cancelled():
+            raise LaunchCancelled(
+                f"the launch of {record.spec.model_uid!r} was cancelled"
+            ) from None
+        raise
 
 
 def _log_background_failure(task: asyncio.Task[Any]) -> None:

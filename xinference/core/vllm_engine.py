@@ -176,6 +176,7 @@ class VLLMEngine:
                 if stream
                 else len(completion.token_ids)
             )
+            external_tokens, holder = _xavier_load(output.kv_transfer_params)
             yield GenerationChunk(
                 text=completion.text,
                 token_ids=tuple(completion.token_ids),
@@ -183,6 +184,8 @@ class VLLMEngine:
                 prompt_tokens=len(request.prompt_token_ids),
                 completion_tokens=generated,
                 cached_prompt_tokens=output.num_cached_tokens,
+                external_prompt_tokens=external_tokens,
+                external_holder_rank=holder,
             )
 
     def shutdown(self) -> None:
@@ -190,3 +193,12 @@ class VLLMEngine:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
+
+
+def _xavier_load(params: dict[str, Any] | None) -> tuple[int, int | None]:
+    """(tokens loaded from a peer, the peer's rank) from a finished request's
+    ``kv_transfer_params``: what the Xavier connector's ``request_finished`` returned
+    (vLLM hands it to the output unchanged). (0, None) without a load."""
+    if not params or "xavier_external_tokens" not in params:
+        return 0, None
+    return int(params["xavier_external_tokens"]), params.get("xavier_holder_rank")
