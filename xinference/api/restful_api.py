@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import xoscar as xo
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
