@@ -19,11 +19,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from ..deploy.local_server import LocalServer, wait_for_no_descendants
@@ -120,6 +122,22 @@ def send_chat(page: Any, text: str) -> str:
     return replies.first.locator(".meta").inner_text()
 
 
+def wait_published(server: LocalServer, text: str) -> None:
+    """Xavier publishes a request's blocks in the background once it returned:
+    wait until the tracker lists the chat prompt's first blocks."""
+    body = {"messages": [{"role": "user", "content": text}]}
+    deadline = time.monotonic() + 30
+    while True:
+        response = httpx.post(
+            f"{server.endpoint}/v1/models/{MODEL}/prefix", json=body, timeout=10
+        )
+        assert response.status_code == 200, response.text
+        if response.json()["prefix_blocks"] >= 4:
+            return
+        assert time.monotonic() < deadline, response.json()
+        time.sleep(0.05)
+
+
 def figure(page: Any, rank: int, name: str) -> str:
     cell = page.locator(f'td[data-rank="{rank}"][data-figure="{name}"]')
     return cell.inner_text()
@@ -189,6 +207,7 @@ def test_launch_chat_see_remote_hits_terminate(
     # which has never seen the shared prefix and loads it from replica 0.
     first = send_chat(page, SHARED_PREFIX + "What colour is the sky?")
     assert first.startswith("Served by replica 0 · no remote hit"), first
+    wait_published(server, SHARED_PREFIX + "What colour is the sky?")
     second = send_chat(page, SHARED_PREFIX + "What colour is grass?")
     match = re.match(
         r"Served by replica 1 · remote hit: (\d+) tokens loaded from replica 0", second

@@ -283,6 +283,10 @@ def test_the_next_turn_on_the_other_replica_loads_the_answer_too(deployment):
     held_blocks = (len(TURN1) + len(first.token_ids) - 1) // BLOCK_SIZE
     prompt_blocks = len(TURN1) // BLOCK_SIZE
     assert held_blocks >= prompt_blocks + 2  # the answer fills blocks of its own
+    assert deployment.cluster is not None
+    deployment.cluster.wait_published(
+        lookup_keys(turn2)[:held_blocks], for_rank=1
+    )  # A publishes in the background, after the request returned
 
     remote = serve(deployment, 1, turn2)
     assert xavier_external_tokens(remote) == held_blocks * BLOCK_SIZE
