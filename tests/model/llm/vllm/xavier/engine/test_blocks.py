@@ -314,6 +314,51 @@ def test_scatter_rows_matches_writing_each_row(
         assert torch.equal(got, expected[layer])
 
 
+@pytest.mark.parametrize(
+    "layout", [PACKED_KV_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT]
+)
+@pytest.mark.parametrize("allocation", list(ALLOCATIONS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_snapshots_and_copy_to_rows_read_each_layer_of_each_block(
+    layout: str, allocation: str, device: str
+) -> None:
+    """Whole snapshots read by whichever path the addresses allow equal the layers'
+    blocks read one by one, and land at the rows asked for, nothing else."""
+    num_layers = 3
+    path, spacing = ALLOCATIONS[allocation]
+    if spacing is None:
+        tensors = [layer_tensor(layout).to(device) for _ in range(num_layers)]
+    else:
+        block = layer_tensor(layout).numel() // NB
+        gap, uneven = (int(x * block) for x in spacing)
+        tensors = one_allocation(layout, num_layers, gap, device, uneven)
+    for i, tensor in enumerate(tensors):
+        tensor.view(torch.int16).copy_(
+            (torch.arange(tensor.numel(), dtype=torch.int16) * 3 + 1000 * i)
+            .view(tensor.shape)
+            .to(device)
+        )
+    cache = BlockMajorCache(tensors, detect_layout(tensors, NB, layout))
+    assert cache.scatter_path in path.split(" or ")
+    blocks = [4, 0, 5, 2]
+    want = torch.stack(
+        [cache.gather(layer, long(blocks)).cpu() for layer in range(num_layers)],
+        dim=1,
+    ).reshape(len(blocks) * num_layers, -1)
+    assert torch.equal(cache.gather_snapshots(long(blocks)).cpu(), want)
+
+    row_nbytes = cache.layout.layer_block_nbytes
+    rows = torch.zeros((8 * num_layers, row_nbytes), dtype=torch.uint8)
+    first_rows = [6 * num_layers, 0, 3 * num_layers, num_layers]
+    cache.copy_blocks_to_rows(long(blocks), rows, first_rows)
+    expected = torch.zeros_like(rows)
+    for i, first in enumerate(first_rows):
+        expected[first : first + num_layers] = want[
+            i * num_layers : (i + 1) * num_layers
+        ]
+    assert torch.equal(rows, expected)
+
+
 def test_scatter_rows_refuses_missing_or_repeated_destinations() -> None:
     tensors = one_allocation(PACKED_KV_LAYOUT, 2)
     cache = BlockMajorCache(tensors, detect_layout(tensors, NB, PACKED_KV_LAYOUT))

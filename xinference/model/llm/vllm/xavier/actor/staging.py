@@ -79,7 +79,7 @@ def copy_blocks_into_store(
             cache.copy_blocks_to_rows(
                 torch.tensor([block for _, block in picked], dtype=torch.long),
                 store.rows(tier),
-                torch.tensor([slot.first_row for slot, _ in picked], dtype=torch.long),
+                [slot.first_row for slot, _ in picked],
             )
     # A snapshot must never be published before its copy has completed.
     fence(cache.device)

@@ -65,13 +65,11 @@ class StagingRing:
         slots = [self._free.pop() for _ in block_ids]
         if not slots:
             return slots
-        blocks = torch.tensor(list(block_ids), dtype=torch.long)
-        first_rows = torch.tensor(
+        self._cache.copy_blocks_to_rows(
+            torch.tensor(list(block_ids), dtype=torch.long),
+            self.rows,
             [slot * self.num_layers for slot in slots],
-            dtype=torch.long,
-            device=self.rows.device,
         )
-        self._cache.copy_blocks_to_rows(blocks, self.rows, first_rows)
         return slots
 
     def give_back(self, slots: Sequence[int]) -> None:

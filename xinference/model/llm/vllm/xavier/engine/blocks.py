@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..wire import KVGeometry
-from .layout import WIDE_DTYPES, KVLayout, dtype_name, wide_view
+from .layout import WIDE_DTYPES, KVLayout, dtype_name, slot_rows_index, wide_view
 
 
 class BlockMajorCache:
@@ -108,18 +108,40 @@ class BlockMajorCache:
         per_row = self.layout.layer_block_nbytes // self._element.itemsize
         return picked.reshape(index.numel(), per_row).view(torch.uint8)
 
+    def gather_snapshots(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whole snapshots of blocks ``block_ids``: ``(n * L, R)`` uint8 rows on
+        the cache's device, row ``i * L + l`` being layer ``l`` of ``block_ids[i]``.
+
+        The counterpart of ``scatter_rows`` for whole snapshots, by the same path:
+        one gather through the piece span or the stacked view, else one per layer
+        (each a kernel launch on a GPU, and staging runs on the engine's thread).
+        """
+        index = self._check_index(block_ids)
+        n, num_layers = index.numel(), self.num_layers
+        row_nbytes = self.layout.layer_block_nbytes
+        if self._span is not None:
+            picked = self._span.gather(index)
+        elif self._stacked is not None:
+            axis = self.layout.block_axis
+            # (L, ..., n, ...) -> (n, L, ...): each layer's block in its own order
+            picked = self._stacked.index_select(axis + 1, index).movedim(axis + 1, 0)
+        else:
+            picked = torch.stack(
+                [self.gather(layer, index) for layer in range(num_layers)], dim=1
+            )
+        return picked.reshape(n * num_layers, -1).view(torch.uint8).view(-1, row_nbytes)
+
     def copy_blocks_to_rows(
-        self, block_ids: torch.Tensor, rows: torch.Tensor, first_rows: torch.Tensor
+        self, block_ids: torch.Tensor, rows: torch.Tensor, first_rows: Sequence[int]
     ) -> None:
         """Copy every layer of blocks ``block_ids`` into snapshot rows: layer ``l``
         of ``block_ids[i]`` to ``rows[first_rows[i] + l]`` (``rows`` uint8, maybe on
-        another device). Copies are queued on the current stream, one gather and one
-        copy per layer."""
+        another device). Copies are queued on the current stream: one gather
+        (``gather_snapshots``) and one copy where the layout allows."""
         target = wide_view(rows)  # views only: writes reach ``rows``
-        first_rows = first_rows.to(rows.device)
-        for layer in range(self.num_layers):
-            gathered = self.gather(layer, block_ids).to(rows.device)
-            target.index_copy_(0, first_rows + layer, wide_view(gathered, target.dtype))
+        snapshots = self.gather_snapshots(block_ids).to(rows.device)
+        indices = slot_rows_index(first_rows, self.num_layers).to(rows.device)
+        target.index_copy_(0, indices, wide_view(snapshots, target.dtype))
 
     def scatter(self, layer: int, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` ``(n, R)`` uint8 into blocks ``block_ids`` of ``layer``.
@@ -416,6 +438,14 @@ class _PieceSpan:
             piece_rows,
             pieces.block_stride // piece,
         )
+
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """Whole snapshots of blocks ``index`` (checked, on the device), in the
+        span's element type: ``(keys, L * R / element size)``, layers in order."""
+        sources = torch.add(
+            self._piece_rows, index.view(-1, 1, 1), alpha=self._block_step
+        )
+        return self._span.index_select(0, sources.view(-1)).view(index.numel(), -1)
 
     def scatter(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole snapshots ``rows`` ``(keys * L, R)`` uint8 into blocks ``index``
