@@ -42,6 +42,7 @@ from ..config import transfer_actor_uid
 from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity
+from .engine_time import EngineTime, timed
 from .faults import ConnectorFaults
 from .scheduler import SchedulerSettings, SchedulerSide
 from .step import StepMetadata
@@ -118,6 +119,7 @@ class XavierConnector(KVConnectorBase_V1):
         self._faults = ConnectorFaults(
             f"{role.name.lower()} of replica {options.rank}", self._report_fault
         )
+        self._engine_time = EngineTime(f"{role.name.lower()} of replica {options.rank}")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -195,6 +197,7 @@ class XavierConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ---------------------------------------------------------
 
+    @timed
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -221,6 +224,7 @@ class XavierConnector(KVConnectorBase_V1):
             )
             return 0, False
 
+    @timed
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -245,6 +249,7 @@ class XavierConnector(KVConnectorBase_V1):
                     block_ids[0] if block_ids else (),
                 )
 
+    @timed
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> KVConnectorMetadata:
@@ -260,6 +265,7 @@ class XavierConnector(KVConnectorBase_V1):
                 step = StepMetadata()
         return XavierConnectorMetadata(step)
 
+    @timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         try:
@@ -270,6 +276,7 @@ class XavierConnector(KVConnectorBase_V1):
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
 
+    @timed
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -318,6 +325,7 @@ class XavierConnector(KVConnectorBase_V1):
             return
         self.register_kv_caches(dict(zip(names, layers, strict=True)))
 
+    @timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         step = self._step()
@@ -344,6 +352,7 @@ class XavierConnector(KVConnectorBase_V1):
         # Whole blocks are staged after the forward (wait_for_save), not per layer.
         return None
 
+    @timed
     def wait_for_save(self) -> None:
         assert self._worker is not None
         try:
@@ -351,6 +360,7 @@ class XavierConnector(KVConnectorBase_V1):
         except Exception as exc:  # costs future hits only: nothing was published
             self._faults.record("wait_for_save", exc)
 
+    @timed
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
@@ -361,10 +371,12 @@ class XavierConnector(KVConnectorBase_V1):
             self._faults.record("get_finished", exc)
             return None, None
 
+    @timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
 
+    @timed
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
@@ -372,6 +384,7 @@ class XavierConnector(KVConnectorBase_V1):
         return None if identity is None else XavierWorkerMetadata(identity)
 
     def shutdown(self) -> None:
+        self._engine_time.log()
         try:
             if self._scheduler is not None:
                 self._scheduler.close()
