@@ -186,6 +186,13 @@ class SupervisorActor(xo.StatelessActor):
         except BaseException as error:
             record.state = "failed"
             logger.error("launching %s failed: %r; tearing down", uid, error)
+            task = asyncio.current_task()
+            if isinstance(error, asyncio.CancelledError) and task is not None:
+                # A cancel (cancel_launch, terminate) is handled here: clear it, or
+                # the teardown's own timeouts would take it for theirs and stop
+                # half-way, leaving processes behind. Re-raised below.
+                while task.cancelling():
+                    task.uncancel()
             try:
                 await self._teardown(record)
             except TeardownError as teardown_error:
@@ -232,16 +239,23 @@ class SupervisorActor(xo.StatelessActor):
                     POOL_START_TIMEOUT_S,
                 )
             )
-            try:
-                record.addresses[rank] = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                # Cancelled (terminate or cancel during the launch) while the pool
-                # starts: let it finish, so that teardown knows it and removes it.
+            # Cancelled (terminate or cancel during the launch) while the pool
+            # starts: let it finish, through every further cancel (``_all`` cancels
+            # its calls again once one of them ended cancelled), so that teardown
+            # knows the pool and removes it. The call ends at its own deadline.
+            cancelled = False
+            while not call.done():
                 try:
-                    record.addresses[rank] = await call
+                    await asyncio.shield(call)
+                except asyncio.CancelledError:
+                    cancelled = cancelled or not call.cancelled()
                 except Exception:
-                    pass  # it did not start: nothing to remove
-                raise
+                    break  # the call failed: raised below
+            if cancelled:
+                if not call.cancelled() and call.exception() is None:
+                    record.addresses[rank] = call.result()
+                raise asyncio.CancelledError()
+            record.addresses[rank] = call.result()
 
         await _all(start_pool(rank) for rank in range(spec.replica))
         record.detail = f"loading {spec.replica} engine(s)"

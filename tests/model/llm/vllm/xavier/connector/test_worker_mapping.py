@@ -30,7 +30,7 @@ class SilentActor:
         self.calls: list[float] = []
         self.cancelled: list[float] = []
 
-    async def map_engine_caches(self, *args: Any) -> Any:
+    async def map_engine_caches(self, *args: Any, **kwargs: Any) -> Any:
         self.calls.append(time.monotonic())
         try:
             await asyncio.Event().wait()
