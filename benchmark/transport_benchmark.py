@@ -116,7 +116,7 @@ def engine_tensors(layout: str, device: str, allocation: str) -> list[torch.Tens
             for _ in range(LAYERS)
         ]
     nb, h, t, d = ENGINE_BLOCKS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM
-    if layout == "cpu":
+    if layout == "packed_kv":
         return [x.view(nb, h, t, 2 * d) for x in layers]
     if layout == "block_first":
         return [x.view(nb, 2, t, h, d) for x in layers]
@@ -443,7 +443,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    layout = args.layout or ("kv_first" if device.type == "cuda" else "cpu")
+    layout = args.layout or ("kv_first" if device.type == "cuda" else "packed_kv")
     pool = await xo.create_actor_pool(
         "127.0.0.1", n_process=2, external_address_schemes=["nixl"] * 3
     )
@@ -525,9 +525,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--layout",
-        choices=("cpu", "block_first", "kv_first"),
+        choices=("packed_kv", "block_first", "kv_first"),
         default=None,
-        help="engine KV layout (default: cpu on CPU, kv_first on CUDA)",
+        help="engine KV layout (default: packed_kv on CPU, kv_first on CUDA)",
     )
     parser.add_argument(
         "--engine-allocation",
