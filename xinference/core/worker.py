@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import xoscar as xo
 
+from .heartbeat import HeartbeatSettings, beat_forever
 from .messages import ReplicaInfo, ReplicaSpec
 from .model import ReplicaModelActor, model_actor_uid
 from .options import LaunchOptionError
@@ -42,6 +43,7 @@ class WorkerActor(xo.StatelessActor):
         main_pool: Any,
         supervisor_address: str | None = None,
         gpus: Sequence[str] | None = None,
+        heartbeat: HeartbeatSettings | None = None,
     ) -> None:
         super().__init__()
         self._pool = main_pool
@@ -49,6 +51,9 @@ class WorkerActor(xo.StatelessActor):
         self._gpus: tuple[str, ...] | None = None if gpus is None else tuple(gpus)
         # sub-pool address -> the pid of its process (for the leftover check)
         self._sub_pools: dict[str, int] = {}
+        self._heartbeat_settings = heartbeat or HeartbeatSettings.from_env()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._supervisor: Any = None
 
     @classmethod
     def default_uid(cls) -> str:
@@ -60,10 +65,47 @@ class WorkerActor(xo.StatelessActor):
         if self._supervisor_address is not None:
             from .supervisor import SupervisorActor
 
-            supervisor = await xo.actor_ref(
+            self._supervisor = await xo.actor_ref(
                 address=self._supervisor_address, uid=SupervisorActor.default_uid()
             )
-            await supervisor.register_worker(self.address, self.uid)
+            await self._register()
+            if self._supervisor_address != self.address:
+                # A supervisor elsewhere learns that this worker lives by hearing
+                # from it (one in this process needs no telling).
+                self._heartbeat = asyncio.create_task(
+                    beat_forever(
+                        lambda: self._supervisor.worker_heartbeat(self.address),
+                        self._register,
+                        self._heartbeat_settings,
+                        f"worker {self.address}",
+                    )
+                )
+
+    async def _register(self) -> None:
+        await self._supervisor.register_worker(self.address, self.uid)
+
+    async def __pre_destroy__(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+
+    async def leave(self) -> list[int]:
+        """Stop beating, tell the supervisor (its replicas here are gone), remove
+        every sub-pool; the pids that had to be killed."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._supervisor is not None and self._supervisor_address != self.address:
+            try:
+                await asyncio.wait_for(
+                    self._supervisor.unregister_worker(self.address),
+                    self._heartbeat_settings.timeout_s,
+                )
+            except Exception as error:  # it will notice the silence instead
+                logger.warning("could not tell the supervisor: %r", error)
+        killed: list[int] = []
+        for address in list(self._sub_pools):
+            killed += await self.remove_replica(address)
+        return killed
 
     async def gpus(self) -> tuple[str, ...]:
         return self._gpus or ()
