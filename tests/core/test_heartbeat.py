@@ -14,7 +14,10 @@ from xinference.core.heartbeat import (
 
 def test_settings_come_from_flags_then_environment_then_defaults():
     assert HeartbeatSettings.from_env({}) == HeartbeatSettings(1.0, 5.0)
-    env = {"XINFERENCE_HEARTBEAT_INTERVAL_S": "0.5", "XINFERENCE_HEARTBEAT_TIMEOUT_S": "3"}
+    env = {
+        "XINFERENCE_HEARTBEAT_INTERVAL_S": "0.5",
+        "XINFERENCE_HEARTBEAT_TIMEOUT_S": "3",
+    }
     assert HeartbeatSettings.from_env(env) == HeartbeatSettings(0.5, 3.0)
     assert HeartbeatSettings.from_env(env, timeout_s=9.0).timeout_s == 9.0
     with pytest.raises(ValueError, match="must exceed"):

@@ -166,15 +166,16 @@ async def beat_forever(
     settings: HeartbeatSettings,
     name: str,
 ) -> None:
-    """The worker's side: ``beat()`` every interval, each with the interval as its
-    deadline; ``register()`` again when the supervisor answers that it does not
-    know us. Failures are logged when they start and when they end, not each time.
+    """The worker's side: ``beat()`` every interval (a beat the supervisor is slow
+    to answer may take up to the timeout: it still counts when it arrives);
+    ``register()`` again when the supervisor answers that it does not know us.
+    Failures are logged when they start and when they end, not each time.
     """
     failing: str | None = None
     while True:
         started = time.monotonic()
         try:
-            known = await asyncio.wait_for(beat(), settings.interval_s)
+            known = await asyncio.wait_for(beat(), settings.timeout_s)
             if not known:
                 logger.warning(
                     "%s: the supervisor does not know this worker; registering again",
