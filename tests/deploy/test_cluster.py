@@ -78,6 +78,8 @@ class Scenario:
     pairs: list[tuple[httpx.Response, httpx.Response]] = field(default_factory=list)
     holder_before: dict[str, Any] = field(default_factory=dict)
     stats: list[dict[str, Any]] = field(default_factory=list)
+    # the loaders' peer checks, as the workers logged them
+    peer_checks: list[str] = field(default_factory=list)
     # step 3
     victim_rank: int = -1
     victim_host: str = ""
@@ -187,6 +189,12 @@ def _run(run, endpoint, nodes, ports, workdir, env, all_nodes) -> None:
         f"/v1/models/{MODEL_NAME}/prefix", json={"prompt": prompt}
     ).json()
     run.stats = http.get(f"/v1/models/{MODEL_NAME}/stats").json()
+    run.peer_checks = [
+        line
+        for node in nodes.values()
+        for line in node.log_path.read_text(errors="replace").splitlines()
+        if "READ of" in line and "UCX transports for this peer" in line
+    ]
 
     # 3. the holder's worker dies mid-traffic
     run.victim_rank = int(run.holder_before["holder"])
@@ -322,6 +330,14 @@ def test_a_prefix_computed_on_one_worker_is_loaded_on_the_other(scenario):
         for s in scenario.stats
     )
     assert loaded >= PREFIX_BLOCKS * len(scenario.pairs)
+    # the loader's first READ from its peer is logged in its worker's log with the
+    # peer's host and the UCX transports that can join them (tcp at least: the
+    # workers' addresses differ, UCX connects over its own interfaces)
+    assert scenario.peer_checks, "no peer check logged"
+    assert all("(on this host)" in line for line in scenario.peer_checks)
+    assert all(
+        "tcp" in line.rsplit("for this peer:", 1)[1] for line in scenario.peer_checks
+    )
 
 
 def test_a_lost_worker_is_marked_gone_within_the_bound_and_forgotten(scenario):
