@@ -13,8 +13,9 @@ One scenario, run once (module fixture), then checked piece by piece:
    correctly or fails fast with a clear error; the supervisor marks the replica
    gone within the heartbeat bound, the tracker forgets it, and every later
    request is served by the survivor;
-4. the worker comes back on the same address, registers, and a new replica
-   launched on it serves.
+4. the worker comes back on the same address, registers, and a new 2-replica
+   deployment spans both workers again, now with Xavier's xoscar transport: a
+   prefix computed on one worker is loaded on the other.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Scenario:
     rejoined: list[dict[str, Any]] = field(default_factory=list)
     relaunched: dict[str, Any] = field(default_factory=dict)
     relaunched_response: httpx.Response | None = None
+    relaunched_pair: tuple[httpx.Response, httpx.Response] | None = None
     leftovers: list[int] = field(default_factory=list)
 
 
@@ -266,16 +268,33 @@ def _run(run, endpoint, nodes, ports, workdir, env, all_nodes) -> None:
     all_nodes.append(nodes[host])
     wait_until(lambda: len(http.get("/v1/workers").json()) == 2, 30, "the rejoin")
     run.rejoined = http.get("/v1/workers").json()
+    # Xavier again across both workers, this time with the xoscar transport
     with Client(endpoint, timeout=900) as client:
         run.relaunched = client.launch_model_detailed(
             model_name=MODEL_NAME,
             model_uid="again",
-            replica=1,
-            worker_ip=host,
+            replica=2,
+            enable_xavier=True,
+            xavier_transport="xoscar",
+            xavier_gpu_cache_bytes="64MiB",
             **ENGINE,
         )
-        run.relaunched_response = completion(http, "again", TRAFFIC_PROMPT)
-        client.terminate_model("again")
+        try:
+            run.relaunched_response = completion(http, "again", TRAFFIC_PROMPT)
+            prompt = WORKLOAD.prompts()[1]
+            first = completion(http, "again", prompt)
+            wait_until(
+                lambda: http.post(
+                    "/v1/models/again/prefix", json={"prompt": prompt}
+                ).json()["prefix_blocks"]
+                >= PREFIX_BLOCKS,
+                30,
+                "the prefix to be published",
+                0.05,
+            )
+            run.relaunched_pair = (first, completion(http, "again", prompt))
+        finally:
+            client.terminate_model("again")
     http.close()
 
 
@@ -376,11 +395,27 @@ def test_requests_during_the_loss_complete_or_fail_fast(scenario):
 def test_a_worker_that_comes_back_serves_again(scenario):
     hosts = sorted(host_of(w["address"]) for w in scenario.rejoined)
     assert hosts == sorted(WORKER_HOSTS)
-    (replica,) = scenario.relaunched["replicas"]
-    assert host_of(replica["worker"]) == scenario.victim_host
+    replicas = scenario.relaunched["replicas"]
+    assert sorted(host_of(r["worker"]) for r in replicas) == sorted(WORKER_HOSTS)
     response = scenario.relaunched_response
     assert response is not None and response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == scenario.reference
+
+
+def test_the_xoscar_transport_loads_across_workers_too(scenario):
+    assert scenario.relaunched["xavier"].startswith("Xavier: on")
+    assert "transport xoscar" in scenario.relaunched["xavier"]
+    assert scenario.relaunched_pair is not None
+    first, second = scenario.relaunched_pair
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    assert (
+        first.headers["x-xinference-replica"] != second.headers["x-xinference-replica"]
+    )
+    assert int(second.headers["x-xinference-xavier-external-tokens"]) >= (
+        PREFIX_BLOCKS * 32
+    )
+    texts = [r.json()["choices"][0]["text"] for r in (first, second)]
+    assert texts[0] == texts[1]
 
 
 def test_nothing_is_left_behind(scenario):
