@@ -5,6 +5,8 @@ engine); the tracker is the real ``BlockTrackerActor`` in an in-process pool, an
 the keys are hashed the way the connector registers them.
 """
 
+import asyncio
+
 import pytest
 import xoscar as xo
 
@@ -215,3 +217,29 @@ async def test_an_unreachable_replica_fails_the_request_fast_and_is_skipped(pool
     # the supervisor's verdict replaces the suspicion
     dispatcher.update_gone({1: "gone"})
     assert dispatcher.gone == {1: "gone"} and dispatcher.live_ranks() == [0]
+
+
+class SilentReplica(xo.StatelessActor):
+    """Never answers, as a replica behind a network cut."""
+
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+
+
+async def test_a_request_waiting_on_a_replica_declared_gone_ends_at_once(pool):
+    from xinference.core.dispatch import ReplicaUnavailable
+
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter(), 2)
+    dispatcher._replicas[1] = await xo.create_actor(
+        SilentReplica, address=pool.external_address, uid="silent"
+    )
+    await dispatcher.route([1])
+    route = await dispatcher.route([1])
+    assert route.rank == 1
+    pending = asyncio.ensure_future(dispatcher.generate(route, request([1])))
+    await asyncio.sleep(0.2)
+    assert not pending.done()
+    dispatcher.update_gone({1: "worker 127.0.0.3:1 sent no heartbeat"})
+    with pytest.raises(ReplicaUnavailable, match="taken out of service.*heartbeat"):
+        await asyncio.wait_for(pending, 5)
+    assert dispatcher.in_flight == (0, 0)

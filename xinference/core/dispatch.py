@@ -119,11 +119,17 @@ class ReplicaDispatcher:
         self.gone: dict[int, str] = dict(deployment.gone)
         self.gone_checked = time.monotonic()
         self._suspect: dict[int, float] = {}  # rank -> when a call to it failed
+        # set when the supervisor declares the rank gone: ends the requests waiting
+        # on it (a replica cut off by the network would otherwise hold them until
+        # REQUEST_TIMEOUT_S)
+        self._gone_events: dict[int, asyncio.Event] = {}
 
     def update_gone(self, gone: dict[int, str]) -> None:
         """The supervisor's current list of gone replicas."""
         self.gone = dict(gone)
         self.gone_checked = time.monotonic()
+        for rank in gone:
+            self._gone_event(rank).set()
         for rank in gone:
             self._suspect.pop(rank, None)
 
@@ -191,8 +197,10 @@ class ReplicaDispatcher:
     ) -> GenerationChunk:
         started = time.monotonic()
         with self._counted(route.rank), self._reachable(route.rank):
-            chunk = await asyncio.wait_for(
-                self._replicas[route.rank].generate(request), REQUEST_TIMEOUT_S
+            chunk = await self._unless_gone(
+                route.rank,
+                self._replicas[route.rank].generate(request),
+                REQUEST_TIMEOUT_S,
             )
         self.latency[route.rank].end_to_end.record(time.monotonic() - started)
         return chunk
@@ -273,6 +281,32 @@ class ReplicaDispatcher:
         if hit is None:
             return None, 0
         return hit.rank, hit.num_blocks
+
+    def _gone_event(self, rank: int) -> asyncio.Event:
+        return self._gone_events.setdefault(rank, asyncio.Event())
+
+    async def _unless_gone(self, rank: int, call: Any, timeout: float) -> Any:
+        """Await ``call`` (deadline ``timeout``), unless the replica is declared
+        gone first: then the call is cancelled and the request fails with why."""
+        gone = self._gone_event(rank)
+        task = asyncio.ensure_future(call)
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+        if task in done:
+            return task.result()
+        if gone.is_set():
+            raise ReplicaUnavailable(
+                f"replica {rank} of {self.deployment.model_uid} was taken out of "
+                f"service while serving this request: {self.gone.get(rank, 'gone')}"
+            )
+        raise TimeoutError(f"replica {rank} did not answer in {timeout:.0f} s")
 
     @contextlib.contextmanager
     def _reachable(self, rank: int) -> Any:
