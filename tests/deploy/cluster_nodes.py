@@ -143,6 +143,6 @@ def worker_node(
         name,
         ["worker", "-e", endpoint, "-H", host, "--worker-port", str(port)],
         workdir,
-        r"Xinference worker at (\S+)",
+        r"Xinference worker at ([^\s,]+)",
         env,
     )

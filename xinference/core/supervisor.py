@@ -122,9 +122,12 @@ class SupervisorActor(xo.StatelessActor):
         if self._watch is not None:
             self._watch.cancel()
 
-    async def register_worker(self, address: str, uid: str | bytes) -> None:
-        """Add a worker (or take back one that was declared gone). A worker in this
-        supervisor's own process (``xinference-local``) is not watched."""
+    async def register_worker(self, address: str, uid: str | bytes) -> list[str]:
+        """Add a worker (or take back one that was declared gone); the sub-pool
+        addresses of the replicas it hosts that still serve (a worker registering
+        again removes any other sub-pool it has: after a network cut its replicas
+        were declared gone). A worker in this supervisor's own process
+        (``xinference-local``) is not watched."""
         self._workers[address] = await xo.actor_ref(address=address, uid=uid)
         if address != self.address:
             self._liveness.register(address, time.monotonic())
@@ -137,20 +140,14 @@ class SupervisorActor(xo.StatelessActor):
                 else f" ({self._liveness.settings.describe()})"
             ),
         )
-        # Replicas it hosted before it was declared gone (a network cut) are not
-        # served any more: have their sub-pools removed, in the background.
-        stale = [
+        return [
             record.addresses[rank]
             for record in self._models.values()
             for rank, worker in record.workers.items()
-            if rank in record.gone
+            if rank not in record.gone
             and worker.address == address
             and rank in record.addresses
         ]
-        if stale:
-            ref = self._workers[address]
-            task = asyncio.create_task(_remove_stale(ref, stale))
-            task.add_done_callback(_log_background_failure)
 
     async def worker_heartbeat(self, address: str) -> bool:
         """A worker is alive; False: not registered here, it must register again."""
@@ -649,11 +646,6 @@ class SupervisorActor(xo.StatelessActor):
 
 def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
-
-
-async def _remove_stale(worker: Any, addresses: list[str]) -> None:
-    for address in addresses:
-        await _deadline(worker.remove_replica(address), SHUTDOWN_TIMEOUT_S)
 
 
 async def _launch_result(record: _Deployment) -> DeploymentInfo:

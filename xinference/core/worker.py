@@ -54,6 +54,7 @@ class WorkerActor(xo.StatelessActor):
         self._heartbeat_settings = heartbeat or HeartbeatSettings.from_env()
         self._heartbeat: asyncio.Task[None] | None = None
         self._supervisor: Any = None
+        self._cleanup: asyncio.Task[None] | None = None
 
     @classmethod
     def default_uid(cls) -> str:
@@ -82,7 +83,24 @@ class WorkerActor(xo.StatelessActor):
                 )
 
     async def _register(self) -> None:
-        await self._supervisor.register_worker(self.address, self.uid)
+        live = set(await self._supervisor.register_worker(self.address, self.uid))
+        # Registering again (the supervisor restarted, or declared this worker gone
+        # during a network cut): replicas it does not count as serving are gone
+        # for good, so their sub-pools and engines go too.
+        stale = [address for address in self._sub_pools if address not in live]
+        if stale:
+            # in the background: a registration must not wait on pools stopping
+            self._cleanup = asyncio.create_task(self._remove_stale(stale))
+
+    async def _remove_stale(self, addresses: list[str]) -> None:
+        for address in addresses:
+            logger.warning(
+                "replica sub-pool %s is not served any more; removing it", address
+            )
+            try:
+                await self.remove_replica(address)
+            except Exception:
+                logger.exception("removing sub-pool %s failed", address)
 
     async def __pre_destroy__(self) -> None:
         if self._heartbeat is not None:
