@@ -6,6 +6,7 @@ stopped with SIGTERM leaves at once."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
@@ -77,7 +78,7 @@ async def test_a_frozen_worker_is_gone_then_rejoins_and_a_stopped_one_leaves(
             # the sub-pool it had is not served: removed after the rejoin
             started = time.monotonic()
             while psutil.pid_exists(sub_pid) and time.monotonic() - started < 30:
-                time.sleep(0.1)
+                await asyncio.sleep(0.1)
             assert not psutil.pid_exists(sub_pid), frozen.tail()
             assert f"replica sub-pool {sub_pool} is not served any more" in (
                 frozen.tail()
