@@ -84,6 +84,8 @@ class Scenario:
     # step 3
     victim_rank: int = -1
     victim_host: str = ""
+    orphan_reference: str = ""  # the victim's output for a prefix only it computed
+    orphan_outcomes: list[Outcome] = field(default_factory=list)
     killed: list[int] = field(default_factory=list)
     reference: str = ""
     gone_after_s: float | None = None
@@ -205,6 +207,26 @@ def _run(run, endpoint, nodes, ports, workdir, env, all_nodes) -> None:
     reference = completion(http, MODEL_NAME, TRAFFIC_PROMPT)
     assert reference.status_code == 200, reference.text
     run.reference = reference.json()["choices"][0]["text"]
+    # a prefix only the victim computes: sequential requests alternate, so one of
+    # two consecutive new prompts lands on it
+    for prompt_index in (2, 3):
+        orphan_prompt = Workload(groups=4, per_group=1, prefix_words=240).prompts()[
+            prompt_index
+        ]
+        response = completion(http, MODEL_NAME, orphan_prompt)
+        assert response.status_code == 200, response.text
+        if int(response.headers["x-xinference-replica"]) == run.victim_rank:
+            run.orphan_reference = response.json()["choices"][0]["text"]
+            break
+    wait_until(
+        lambda: http.post(
+            f"/v1/models/{MODEL_NAME}/prefix", json={"prompt": orphan_prompt}
+        ).json()["holder"]
+        == run.victim_rank,
+        30,
+        "the victim's prefix to be published",
+        0.05,
+    )
     gone_seen = threading.Event()
     stop = threading.Event()
     lock = threading.Lock()
@@ -233,6 +255,20 @@ def _run(run, endpoint, nodes, ports, workdir, env, all_nodes) -> None:
         wait_until(lambda: len(run.outcomes) >= 4, 120, "traffic before the kill")
         killed_at = time.monotonic()
         run.killed = nodes[run.victim_host].kill_host()
+        # At once, before the supervisor's verdict: the tracker still names the
+        # dead replica as the prefix's holder. Served by the survivor, the load
+        # from the dead holder must fail fast and the prefix be recomputed; routed
+        # to the dead replica, the request fails fast.
+        for _ in range(2):
+            started = time.monotonic()
+            response = completion(http, MODEL_NAME, orphan_prompt)
+            outcome = Outcome(response.status_code, time.monotonic() - started)
+            if response.status_code == 200:
+                outcome.text = response.json()["choices"][0]["text"]
+                outcome.replica = int(response.headers["x-xinference-replica"])
+            else:
+                outcome.detail = response.json().get("detail", response.text)
+            run.orphan_outcomes.append(outcome)
 
         def gone() -> bool:
             body = http.get(f"/v1/models/{MODEL_NAME}").json()
@@ -390,6 +426,23 @@ def test_requests_during_the_loss_complete_or_fail_fast(scenario):
     after = [o for o in scenario.outcomes if o.after_gone]
     assert len(after) >= 6
     assert all(o.status == 200 and o.replica == survivor for o in after), after
+
+
+def test_a_prefix_held_only_by_the_lost_replica_is_recomputed_without_waiting(
+    scenario,
+):
+    """Right after the kill the tracker still names the dead replica as the holder:
+    the survivor's load from it fails fast and it computes the prefix itself."""
+    assert scenario.orphan_reference
+    served = [o for o in scenario.orphan_outcomes if o.status == 200]
+    assert served, scenario.orphan_outcomes
+    for outcome in scenario.orphan_outcomes:
+        assert outcome.seconds < FAIL_FAST_S, outcome
+        if outcome.status != 200:
+            assert outcome.status == 503 and "unreachable" in outcome.detail
+    for outcome in served:
+        assert outcome.replica == 1 - scenario.victim_rank
+        assert outcome.text == scenario.orphan_reference
 
 
 def test_a_worker_that_comes_back_serves_again(scenario):
