@@ -12,7 +12,8 @@ One scenario, run once (module fixture), then checked piece by piece:
    host that loses power), while two clients send requests: each request completes
    correctly or fails fast with a clear error; the supervisor marks the replica
    gone within the heartbeat bound, the tracker forgets it, and every later
-   request is served by the survivor;
+   request is served by the survivor; a prefix only the lost replica held, asked
+   for right after the kill, is recomputed by the survivor without waiting;
 4. the worker comes back on the same address, registers, and a new 2-replica
    deployment spans both workers again, now with Xavier's xoscar transport: a
    prefix computed on one worker is loaded on the other.
