@@ -34,6 +34,15 @@ STREAM_POLL_S = 0.5
 RPC_MARGIN_S = 10.0
 REQUEST_TIMEOUT_S = 600.0
 TRACKER_TIMEOUT_S = 2.0
+# A replica that refused a connection is skipped for this long, or until the
+# supervisor's verdict arrives (``update_gone``), whichever comes first.
+SUSPECT_S = 10.0
+# What a call to a replica whose process or host went away raises.
+_UNREACHABLE = (ConnectionError, xo.errors.ServerClosed, xo.ActorNotExist)
+
+
+class ReplicaUnavailable(RuntimeError):
+    """The chosen replica (or every replica) cannot serve: gone or unreachable."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +115,32 @@ class ReplicaDispatcher:
         self.counters = [RouteCounters() for _ in self._replicas]
         self.latency = [ReplicaLatency() for _ in self._replicas]
         self.tracker_errors = 0
+        # rank -> why the supervisor took it out of service
+        self.gone: dict[int, str] = dict(deployment.gone)
+        self.gone_checked = time.monotonic()
+        self._suspect: dict[int, float] = {}  # rank -> when a call to it failed
+        # set when the supervisor declares the rank gone: ends the requests waiting
+        # on it (a replica cut off by the network would otherwise hold them until
+        # REQUEST_TIMEOUT_S)
+        self._gone_events: dict[int, asyncio.Event] = {}
+
+    def update_gone(self, gone: dict[int, str]) -> None:
+        """The supervisor's current list of gone replicas."""
+        self.gone = dict(gone)
+        self.gone_checked = time.monotonic()
+        for rank in gone:
+            self._gone_event(rank).set()
+        for rank in gone:
+            self._suspect.pop(rank, None)
+
+    def live_ranks(self) -> list[int]:
+        now = time.monotonic()
+        return [
+            rank
+            for rank in range(len(self._replicas))
+            if rank not in self.gone
+            and now - self._suspect.get(rank, -SUSPECT_S) >= SUSPECT_S
+        ]
 
     @classmethod
     async def connect(cls, deployment: DeploymentInfo) -> ReplicaDispatcher:
@@ -130,10 +165,24 @@ class ReplicaDispatcher:
         holder, blocks = None, 0
         if self._router.needs_prefix:
             holder, blocks = await self._longest_prefix(prompt_token_ids)
+        live = self.live_ranks()
+        if not live:
+            reasons = "; ".join(
+                f"replica {rank}: {why}" for rank, why in sorted(self.gone.items())
+            )
+            raise ReplicaUnavailable(
+                f"no replica of {self.deployment.model_uid} can serve"
+                + (f" ({reasons})" if reasons else "")
+            )
+        if holder is not None and holder not in live:
+            holder, blocks = None, 0
+        # The router sees the live replicas only (positions in ``live``).
         facts = RouteFacts(
-            in_flight=tuple(self._in_flight), holder=holder, prefix_blocks=blocks
+            in_flight=tuple(self._in_flight[rank] for rank in live),
+            holder=None if holder is None else live.index(holder),
+            prefix_blocks=blocks,
         )
-        rank = self._router.choose(facts)
+        rank = live[self._router.choose(facts)]
         counters = self.counters[rank]
         counters.routed += 1
         if holder is not None and blocks > 0:
@@ -147,9 +196,11 @@ class ReplicaDispatcher:
         self, route: Route, request: GenerationRequest
     ) -> GenerationChunk:
         started = time.monotonic()
-        with self._counted(route.rank):
-            chunk = await asyncio.wait_for(
-                self._replicas[route.rank].generate(request), REQUEST_TIMEOUT_S
+        with self._counted(route.rank), self._reachable(route.rank):
+            chunk = await self._unless_gone(
+                route.rank,
+                self._replicas[route.rank].generate(request),
+                REQUEST_TIMEOUT_S,
             )
         self.latency[route.rank].end_to_end.record(time.monotonic() - started)
         return chunk
@@ -164,7 +215,7 @@ class ReplicaDispatcher:
         started = loop.time()
         deadline = started + REQUEST_TIMEOUT_S
         latency, first_token = self.latency[route.rank], True
-        with self._counted(route.rank):
+        with self._counted(route.rank), self._reachable(route.rank):
             await asyncio.wait_for(replica.open_stream(request), RPC_MARGIN_S)
             done = False
             try:
@@ -195,7 +246,7 @@ class ReplicaDispatcher:
     async def _close_stream(self, replica: Any, request_id: str) -> None:
         try:
             await asyncio.wait_for(replica.close_stream(request_id), RPC_MARGIN_S)
-        except (TimeoutError, xo.ActorNotExist, ConnectionError) as error:
+        except (TimeoutError, *_UNREACHABLE) as error:
             logger.warning("could not abort stream %s: %r", request_id, error)
 
     async def longest_prefix(
@@ -230,6 +281,47 @@ class ReplicaDispatcher:
         if hit is None:
             return None, 0
         return hit.rank, hit.num_blocks
+
+    def _gone_event(self, rank: int) -> asyncio.Event:
+        return self._gone_events.setdefault(rank, asyncio.Event())
+
+    async def _unless_gone(self, rank: int, call: Any, timeout: float) -> Any:
+        """Await ``call`` (deadline ``timeout``), unless the replica is declared
+        gone first: then the call is cancelled and the request fails with why."""
+        gone = self._gone_event(rank)
+        task = asyncio.ensure_future(call)
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+        if task in done:
+            return task.result()
+        if gone.is_set():
+            raise ReplicaUnavailable(
+                f"replica {rank} of {self.deployment.model_uid} was taken out of "
+                f"service while serving this request: {self.gone.get(rank, 'gone')}"
+            )
+        raise TimeoutError(f"replica {rank} did not answer in {timeout:.0f} s")
+
+    @contextlib.contextmanager
+    def _reachable(self, rank: int) -> Any:
+        """A replica whose process or host went away fails the request at once,
+        with a clear error, and is skipped by the next routes."""
+        try:
+            yield
+        except _UNREACHABLE as error:
+            self._suspect[rank] = time.monotonic()
+            address = self.deployment.replicas[rank].address
+            raise ReplicaUnavailable(
+                f"replica {rank} of {self.deployment.model_uid} at {address} is "
+                f"unreachable ({type(error).__name__}: {error}); later requests go "
+                "to the other replicas"
+            ) from error
 
     @contextlib.contextmanager
     def _counted(self, rank: int) -> Any:

@@ -39,6 +39,7 @@ class ReplicaInfo:
     block_size: int
     load_seconds: float
     hash_namespace: str | None = None  # Xavier's block-hash namespace (None: off)
+    worker: str = ""  # the address of the worker whose host runs it
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,8 @@ class DeploymentInfo:
     created: float = 0.0
     model_name: str = ""  # the registry name, or the model directory's name
     quantization: str | None = None  # as given to vLLM, None: the checkpoint's own
+    # rank -> why the replica is out of service (its worker was lost, ...)
+    gone: dict[int, str] = field(default_factory=dict)
 
     @property
     def block_size(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -492,6 +493,12 @@ async def test_meeting_a_peer_reads_one_row_from_it_once() -> None:
         assert path["local_mem_type"] == path["remote_mem_type"] == "DRAM"
         assert path["nbytes"] == GEOMETRY.layer_block_nbytes
         assert path["zero_copy_only"] is False  # UCX's defaults on DRAM
+        # the path names the peer's host and the UCX transports that can join the
+        # two: both run here, so one-host ones (shared memory) are among them
+        assert path["same_host"] is True
+        assert path["peer_host"] == socket.gethostname()
+        offered = set((await loader.ucx_report())["transports"]) - {"self"}
+        assert path["transports"] and set(path["transports"]) == offered
         counters = await loader.counters()
         assert counters["peer_metadata_loads"] == 1
         assert counters["descriptors"] == 2  # the two loads, not the check

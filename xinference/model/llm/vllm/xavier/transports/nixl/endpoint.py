@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from .ucx import (
     VRAM_UCX_SETTINGS,
     UcxReport,
     _progress_thread_delay,
+    pair_transports,
     probe_ucx,
     progress_thread_delay_us,
     ucx_settings,
@@ -78,12 +80,20 @@ class PeerPath:
     nbytes: int
     seconds: float
     zero_copy_only: bool
+    # where the peer runs, and the UCX transports both sides offer that can join
+    # them (one-host ones such as cma or cuda_ipc only when the host is the same)
+    peer_host: str = ""
+    same_host: bool = True
+    transports: tuple[str, ...] = ()
 
     def describe(self) -> str:
         path = "zero-copy" if self.zero_copy_only else "UCX's choice"
+        where = "on this host" if self.same_host else f"on host {self.peer_host}"
         return (
             f"{self.remote_mem_type}->{self.local_mem_type} READ of {self.nbytes} "
-            f"bytes from {self.peer} in {self.seconds * 1e6:.0f} us ({path})"
+            f"bytes from {self.peer} ({where}) in {self.seconds * 1e6:.0f} us "
+            f"({path}; UCX transports for this peer: "
+            f"{', '.join(self.transports) or 'unknown'})"
         )
 
 
@@ -321,8 +331,15 @@ class NixlAgentEndpoint:
             metadata = self._agent.get_partial_agent_metadata(
                 self._store_reg, inc_conn_info=True
             )
+        report = self.ucx_report
         return NixlEndpointInfo(
-            self.agent_name, self.generation, metadata, store, self.row_bytes
+            self.agent_name,
+            self.generation,
+            metadata,
+            store,
+            self.row_bytes,
+            host=socket.gethostname(),
+            transports=report.transports if report is not None else (),
         )
 
     def _log_start(self) -> None:
@@ -507,6 +524,8 @@ class NixlAgentEndpoint:
                 f"the first READ from peer {info.agent_name} "
                 f"({info.store.mem_type}->{probe.mem_type}) failed: {exc}{hint}"
             ) from exc
+        same_host = not info.host or info.host == socket.gethostname()
+        local = self.ucx_report.transports if self.ucx_report is not None else ()
         path = PeerPath(
             info.agent_name,
             probe.mem_type,
@@ -514,6 +533,9 @@ class NixlAgentEndpoint:
             nbytes,
             time.monotonic() - started,
             self.zero_copy_only,
+            peer_host=info.host,
+            same_host=same_host,
+            transports=pair_transports(local, info.transports, same_host),
         )
         self.peer_paths[info.agent_name] = path
         logger.info("NIXL endpoint %s: %s", self.agent_name, path.describe())
