@@ -42,7 +42,10 @@ MODEL_SHAPE=${MODEL_SHAPE:-intermediate_size=4864, max_position_embeddings=16384
 TTFT_LENGTHS=${TTFT_LENGTHS:-512 2048 8192}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-}   # e.g. "--warm 40 --groups 4" for a dry run on a CPU
 ONLY_PHASES=${ONLY_PHASES:-}       # e.g. "unique": these phases for every deployment
-PROFILE_S=${PROFILE_S:-}           # e.g. 20: py-spy the engine cores this long per deployment
+# e.g. 20: py-spy the engine cores this long per deployment. Needs py-spy in .whl:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 -d .whl py-spy
+PROFILE_S=${PROFILE_S:-}
 PROFILE_DELAY_S=${PROFILE_DELAY_S:-15}  # ... starting this long after the launch
 mkdir -p "$LOGS"
 if [[ -z ${SKIP_WHEELS:-} ]]; then
