@@ -191,3 +191,26 @@ async def test_a_mirror_that_loses_the_tracker_is_not_ready_until_it_is_back(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_stopped_mirror_leaves_at_once_when_the_tracker_wakes_it(
+    pooled_tracker,
+):
+    """Stopping ends the mirror's loop after the poll in flight; waking the polls
+    ends that one at once, so nothing is left for the tracker to answer."""
+    mirror = TrackerMirror(
+        lambda since, wait: pooled_tracker.mirror_changes(0, since, wait),
+        rpc_timeout_s=2,
+        wait_s=60,
+    )
+    task = asyncio.create_task(mirror.run())
+    try:
+        await wait_until(lambda: mirror.ready, 5)
+        await asyncio.sleep(0.2)  # the next poll waits in the tracker
+        mirror.stop()
+        assert not mirror.ready
+        await pooled_tracker.wake_mirrors()
+        await asyncio.wait_for(task, 2)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

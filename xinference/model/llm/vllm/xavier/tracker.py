@@ -129,6 +129,12 @@ class BlockTrackerActor(xo.StatelessActor):
         changes = tuple(change for version, change in self._log if version > since)
         return TrackerChanges(self._version, False, changes, self._address_list())
 
+    def wake_mirrors(self) -> None:
+        """End every waiting poll now (with no change): a mirror that is stopping
+        then leaves without a call in flight."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def mirror_versions(self) -> dict[int, int]:
         """rank -> the version its live mirror has applied; and -1 -> the tracker's."""
         versions = {rank: version for rank, (version, _) in self._live_mirrors()}
@@ -170,6 +176,4 @@ class BlockTrackerActor(xo.StatelessActor):
         self._log_keys += len(change.keys)
         while self._log_keys > CHANGE_LOG_KEYS and len(self._log) > 1:
             self._log_keys -= len(self._log.popleft()[1].keys)
-        # wake every waiting mirror; later waits use a fresh event
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self.wake_mirrors()

@@ -51,6 +51,7 @@ class TrackerMirror:
         self._addresses: dict[int, str] = {}
         self._version = -1  # -1: nothing applied, the next poll asks for everything
         self._ready = False
+        self._stopping = False
         self.polls = 0
         self.failures = 0
 
@@ -74,10 +75,17 @@ class TrackerMirror:
             return None  # a holder whose address has not arrived yet
         return PrefixHit(rank=holder, address=address, num_blocks=depth)
 
+    def stop(self) -> None:
+        """``run`` returns when its current poll ends (the caller may end it at
+        once with the tracker's ``wake_mirrors``): no call is left in flight for
+        the tracker to answer into a closed connection."""
+        self._stopping = True
+        self._ready = False
+
     async def run(self) -> None:
-        """Follow the tracker until cancelled; failures are retried, logged once
-        per outage."""
-        while True:
+        """Follow the tracker until stopped or cancelled; failures are retried,
+        logged once per outage."""
+        while not self._stopping:
             try:
                 changes = await with_deadline(
                     self._fetch(self._version, self._wait_s),
@@ -86,6 +94,8 @@ class TrackerMirror:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._stopping:
+                    return
                 self.failures += 1
                 if self._ready or self.failures == 1:
                     logger.warning(
@@ -98,7 +108,8 @@ class TrackerMirror:
                 self._version = -1
                 await asyncio.sleep(self._retry_s)
                 continue
-            self.apply(changes)
+            if not self._stopping:
+                self.apply(changes)
 
     def apply(self, changes: TrackerChanges) -> None:
         with self._lock:

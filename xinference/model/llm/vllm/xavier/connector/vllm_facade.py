@@ -26,6 +26,8 @@ as failed, nothing staged).
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +68,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
 
 # A whole load may take this many RPC deadlines (it is several RPCs and copies).
 LOAD_TIMEOUT_RPCS = 3
@@ -122,6 +126,8 @@ class XavierConnector(KVConnectorBase_V1):
         )
         self._engine_time = EngineTime(f"{role.name.lower()} of replica {options.rank}")
         self._scheduler: SchedulerSide | None = None
+        self._mirror: TrackerMirror | None = None
+        self._mirror_run: concurrent.futures.Future[None] | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             settings = SchedulerSettings(
@@ -142,7 +148,8 @@ class XavierConnector(KVConnectorBase_V1):
                 self._release,
                 mirror,
             )
-            self._loop.submit(mirror.run())
+            self._mirror = mirror
+            self._mirror_run = self._loop.submit(mirror.run())
         else:
             worker_settings = WorkerSettings(
                 model=model,
@@ -403,6 +410,7 @@ class XavierConnector(KVConnectorBase_V1):
         self._engine_time.log()
         try:
             if self._scheduler is not None:
+                self._stop_mirror()
                 self._scheduler.close()
             if self._worker is not None:
                 self._worker.close()
@@ -410,6 +418,26 @@ class XavierConnector(KVConnectorBase_V1):
             self._faults.record("shutdown", exc)
         finally:
             self._loop.close()
+
+    def _stop_mirror(self) -> None:
+        """End the mirror's poll before the loop closes: cancelled instead, the
+        poll's answer would meet a closed connection in the tracker's pool."""
+        if self._mirror is None or self._mirror_run is None:
+            return
+        self._mirror.stop()
+        timeout = self._options.rpc_timeout_s
+
+        async def wake() -> None:
+            tracker = await self._refs.get(
+                self._options.tracker_address, self._options.tracker_uid
+            )
+            await tracker.wake_mirrors()
+
+        try:
+            self._loop.run(wake(), timeout)
+            self._mirror_run.result(timeout)
+        except Exception as exc:  # the loop's close cancels what is left
+            logger.info("Xavier: the tracker mirror did not stop cleanly: %r", exc)
 
     def _step(self) -> StepMetadata:
         meta = self._get_connector_metadata()
