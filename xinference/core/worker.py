@@ -20,6 +20,7 @@ import psutil
 import xoscar as xo
 
 from .heartbeat import HeartbeatSettings, beat_forever
+from .logs import log_level_env, sub_pool_logging
 from .messages import ReplicaInfo, ReplicaSpec
 from .model import ReplicaModelActor, model_actor_uid
 from .options import LaunchOptionError
@@ -155,8 +156,8 @@ class WorkerActor(xo.StatelessActor):
         scheme = f"{placement.address_scheme}://" if placement.address_scheme else ""
         address = await self._pool.append_sub_pool(
             external_address=f"{scheme}{host}:0",
-            env=placement.env_dict() or None,
-            logging_conf=_sub_pool_logging(),
+            env={**placement.env_dict(), **log_level_env()} or None,
+            logging_conf=sub_pool_logging(),
         )
         self._sub_pools[address] = self._pool.sub_processes[address].pid
         logger.info(
@@ -204,32 +205,6 @@ class WorkerActor(xo.StatelessActor):
 
     async def sub_pools(self) -> dict[str, int]:
         return dict(self._sub_pools)
-
-
-def _sub_pool_logging() -> dict[str, Any] | None:
-    """This process's root log level and format for a replica's sub-pool, so that
-    what the replica logs at INFO (the transfer actor's UCX report, each NIXL
-    peer's first READ) reaches the worker's log too; None when logging is not
-    configured here."""
-    root = logging.getLogger()
-    if not root.handlers:
-        return None
-    formatter = root.handlers[0].formatter
-    fmt = formatter._fmt if formatter is not None else None
-    return {
-        "dict": {
-            "version": 1,
-            "disable_existing_loggers": False,
-            "formatters": {"plain": {"format": fmt or logging.BASIC_FORMAT}},
-            "handlers": {
-                "console": {"class": "logging.StreamHandler", "formatter": "plain"}
-            },
-            "root": {
-                "level": logging.getLevelName(root.level),
-                "handlers": ["console"],
-            },
-        }
-    }
 
 
 def detect_gpus() -> list[str]:

@@ -21,7 +21,6 @@ talk to ``-e/--endpoint``, given before or after the subcommand (default
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -33,6 +32,7 @@ import httpx
 
 from ..client.restful_client import Client, XinferenceError
 from ..core.engine_args import parse_cli_value
+from ..core.logs import configure as configure_logging
 from ..core.messages import format_counters
 from ..core.options import default_model_uid
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
@@ -57,10 +57,7 @@ PROGRESS_POLL_S = 1.0
 )
 def local(host: str, port: int, log_level: str) -> None:
     """Run a supervisor, a worker and the HTTP API in this process."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(log_level)
     asyncio.run(_serve_local(host, port))
 
 
@@ -92,13 +89,6 @@ log_level_option = click.option(
 )
 
 
-def _configure_logging(log_level: str) -> None:
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
 @click.command("supervisor")
 @click.option("--host", "-H", default="127.0.0.1", show_default=True)
 @click.option(
@@ -127,7 +117,7 @@ def supervisor(
     log_level: str,
 ) -> None:
     """Run the supervisor and the HTTP API; workers join with `xinference-worker`."""
-    _configure_logging(log_level)
+    configure_logging(log_level)
     asyncio.run(_serve_supervisor(host, port, supervisor_port, heartbeat_timeout))
 
 
@@ -195,7 +185,7 @@ def worker(
         endpoint = os.environ.get("XINFERENCE_ENDPOINT")
         if endpoint is None:
             raise click.UsageError("give -e/--endpoint or --supervisor-address")
-    _configure_logging(log_level)
+    configure_logging(log_level)
     asyncio.run(
         _serve_worker(
             endpoint, supervisor_address, host, worker_port, heartbeat_interval

@@ -28,6 +28,9 @@ TRANSPORTS = ("xoscar", "nixl")
 # The direct NIXL transport: a load READs exactly its payload, with no control round
 # trip per copy (benchmark/results/h200.md measures both transports side by side).
 DEFAULT_TRANSPORT = "nixl"
+# The log level of the process that started a replica, for the processes vLLM
+# spawns under it (its engine core configures only vLLM's own loggers).
+LOG_LEVEL_ENV = "XINFERENCE_LOG_LEVEL"
 
 
 def parse_size(value: int | str) -> int:

@@ -7,6 +7,7 @@ these pin down each fallback one call at a time.
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from xinference.model.llm.vllm.xavier.connector.vllm_compat import (  # noqa: E4
 from xinference.model.llm.vllm.xavier.connector.vllm_facade import (  # noqa: E402
     XavierConnector,
     XavierConnectorMetadata,
+    _log_where_the_engine_logs,
 )
 
 from .test_vllm_compat import PLAIN, vllm_config
@@ -206,3 +208,19 @@ def test_worker_faults_fail_the_step_loads_and_skip_staging():
         assert connector._faults.total == 4
     finally:
         connector.shutdown()
+
+
+def test_in_an_unconfigured_process_xavier_logs_at_the_replicas_level(monkeypatch):
+    """vLLM's engine core configures only vLLM's loggers; Xavier's INFO lines there
+    (EngineTime's summary) must still reach the replica's log."""
+    ours = logging.getLogger("xinference")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", ours.level)
+    monkeypatch.setenv("XINFERENCE_LOG_LEVEL", "debug")
+    _log_where_the_engine_logs()
+    assert [type(h) for h in ours.handlers] == [logging.StreamHandler]
+    assert ours.level == logging.DEBUG
+    # a process that logs somewhere already is left alone
+    _log_where_the_engine_logs()
+    assert len(ours.handlers) == 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from ..aio import ActorRefs, BackgroundLoop, with_deadline
-from ..config import transfer_actor_uid
+from ..config import LOG_LEVEL_ENV, transfer_actor_uid
 from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
@@ -75,6 +76,23 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_RPCS = 3
 
 
+def _log_where_the_engine_logs() -> None:
+    """vLLM's engine-core process configures only vLLM's loggers: without a handler
+    of their own, Xavier's INFO lines there (``EngineTime``, a replica's first
+    identity) would be dropped. Give ``xinference``'s loggers one, at the level of
+    the process that started the replica (``LOG_LEVEL_ENV``), unless the process
+    already logs somewhere."""
+    ours = logging.getLogger("xinference")
+    if logging.getLogger().handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    ours.addHandler(handler)
+    ours.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
+
+
 class XavierConnectorMetadata(KVConnectorMetadata):
     """One step's plan, scheduler -> workers."""
 
@@ -104,6 +122,7 @@ class XavierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         check_supported(vllm_config, kv_cache_config)
         warn_if_untested()
+        _log_where_the_engine_logs()
         options = settings_from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
             if vllm_config.kv_transfer_config is not None
