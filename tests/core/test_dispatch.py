@@ -13,7 +13,10 @@ from xinference.core.messages import (
     DeploymentInfo,
     GenerationChunk,
     GenerationRequest,
+    ReplicaFailed,
     ReplicaInfo,
+    ReplicaStates,
+    ServiceUnavailable,
     StreamBatch,
 )
 from xinference.core.options import RouterSettings
@@ -165,3 +168,82 @@ async def test_a_stream_left_early_is_aborted_on_the_replica(pool):
     await stream.aclose()
     assert await replicas[0].closed_streams() == ["req-3"]
     assert dispatcher.in_flight == (0, 0)
+
+
+class States:
+    """A supervisor's ``replica_states`` answer the test sets."""
+
+    def __init__(self):
+        self.value = ReplicaStates()
+        self.asked = 0
+
+    async def __call__(self):
+        self.asked += 1
+        return self.value
+
+
+async def test_gone_and_unresponsive_replicas_get_no_requests(pool):
+    dispatcher, _, _ = await make(pool, RoundRobinRouter(), num_replicas=3)
+    states = States()
+    dispatcher._states_source = states
+    states.value = ReplicaStates(gone={1: "its vLLM engine core died"})
+    await dispatcher.refresh_states(force=True)
+    assert [(await dispatcher.route([1, 2])).rank for _ in range(4)] == [0, 2, 0, 2]
+    states.value = ReplicaStates(gone={1: "dead"}, unresponsive={2: "no answer"})
+    await dispatcher.refresh_states(force=True)
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(3)} == {0}
+    # every live replica unresponsive: wait on them rather than refuse
+    states.value = ReplicaStates(gone={1: "dead"}, unresponsive={0: "x", 2: "y"})
+    await dispatcher.refresh_states(force=True)
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(4)} == {0, 2}
+
+
+async def test_no_replica_left_is_service_unavailable_with_the_reasons(pool):
+    dispatcher, _, _ = await make(pool, RoundRobinRouter())
+    states = States()
+    states.value = ReplicaStates(gone={0: "engine died", 1: "sub-pool exited"})
+    dispatcher._states_source = states
+    await dispatcher.refresh_states(force=True)
+    with pytest.raises(ServiceUnavailable, match="replica 0: engine died"):
+        await dispatcher.route([1, 2])
+
+
+async def test_states_are_asked_at_most_once_a_second(pool):
+    dispatcher, _, _ = await make(pool, RoundRobinRouter())
+    states = States()
+    dispatcher._states_source = states
+    dispatcher._states_at = 0.0  # long ago
+    for _ in range(5):
+        await dispatcher.route([1, 2])
+    assert states.asked == 1
+
+
+async def test_a_request_whose_replica_vanished_is_served_by_another(pool):
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter())
+    dispatcher._states_source = States()
+    await xo.destroy_actor(replicas[0])
+    route = await dispatcher.route([1, 2, 3])
+    assert route.rank == 0
+    chunk, rank = await dispatcher.serve(route, request([1, 2, 3]))
+    assert (chunk.text, rank) == ("r1", 1)
+    assert (dispatcher.replica_failures, dispatcher.retries) == (1, 1)
+    assert dispatcher.in_flight == (0, 0)
+    # the failed replica is avoided for a while even before the supervisor knows
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(3)} == {1}
+    # a stream that fails before its first chunk is sent to the other replica too
+    dispatcher._suspect_until.clear()
+    route = await dispatcher.route([1, 2, 3])
+    assert route.rank == 0
+    seen = [
+        (chunk.text, rank)
+        async for chunk, rank in dispatcher.stream_served(route, request([1, 2, 3]))
+    ]
+    assert seen == [("r1-0", 1), ("r1-1", 1), ("r1-2", 1)]
+
+
+async def test_a_vanished_replica_with_no_other_is_a_clear_failure(pool):
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter(), num_replicas=1)
+    await xo.destroy_actor(replicas[0])
+    route = await dispatcher.route([1, 2, 3])
+    with pytest.raises(ReplicaFailed, match="replica 0 failed: its process or actor"):
+        await dispatcher.serve(route, request([1, 2, 3]))

@@ -41,7 +41,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from ..core.dispatch import ReplicaDispatcher, Route
-from ..core.messages import DeploymentInfo, GenerationChunk, GenerationRequest
+from ..core.messages import (
+    DeploymentInfo,
+    GenerationChunk,
+    GenerationRequest,
+    ServiceUnavailable,
+)
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
 from ..core.options import LaunchOptionError
 from ..core.supervisor import LaunchCancelled, SupervisorActor
@@ -81,7 +86,9 @@ class ModelHub:
             dispatcher = self._dispatchers.get(model_uid)
             if dispatcher is None:
                 deployment = await self.supervisor.describe_model(model_uid)
-                dispatcher = await ReplicaDispatcher.connect(deployment)
+                dispatcher = await ReplicaDispatcher.connect(
+                    deployment, lambda: self.supervisor.replica_states(model_uid)
+                )
                 self._dispatchers[model_uid] = dispatcher
         return dispatcher
 
@@ -128,6 +135,17 @@ def create_app(supervisor_address: str) -> FastAPI:
     @app.exception_handler(LaunchCancelled)
     async def _cancelled(_: Request, error: LaunchCancelled) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=409)
+
+    @app.exception_handler(ServiceUnavailable)
+    async def _unavailable(_: Request, error: ServiceUnavailable) -> JSONResponse:
+        # A replica died under the request, or none can serve: the model's other
+        # replicas (if any) keep serving, so the client may retry.
+        message = str(error)
+        body = {
+            "detail": message,
+            "error": {"message": message, "type": "server_error", "code": 503},
+        }
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(LookupError)
     async def _not_found(_: Request, error: LookupError) -> JSONResponse:
@@ -282,8 +300,9 @@ def create_app(supervisor_address: str) -> FastAPI:
             return _sse(
                 dispatcher, route, request, chunk_json, headers, body.include_usage()
             )
-        chunk = await _generate(dispatcher, route, request)
+        chunk, rank = await _generate(dispatcher, route, request)
         payload = chunk_json(chunk) | {"usage": _usage(chunk)}
+        headers[REPLICA_HEADER] = str(rank)
         return JSONResponse(payload, headers=headers | _load_headers(chunk))
 
     @app.post("/v1/chat/completions")
@@ -316,7 +335,8 @@ def create_app(supervisor_address: str) -> FastAPI:
             return _sse(
                 dispatcher, route, request, chunk_json, headers, body.include_usage()
             )
-        chunk = await _generate(dispatcher, route, request)
+        chunk, rank = await _generate(dispatcher, route, request)
+        headers[REPLICA_HEADER] = str(rank)
         payload = {
             "id": request.request_id,
             "object": "chat.completion",
@@ -400,9 +420,9 @@ def _generation_request(
 
 async def _generate(
     dispatcher: ReplicaDispatcher, route: Route, request: GenerationRequest
-) -> GenerationChunk:
+) -> tuple[GenerationChunk, int]:
     try:
-        return await dispatcher.generate(route, request)
+        return await dispatcher.serve(route, request)
     except ValueError as error:  # vLLM's request validation (too long, ...)
         raise InvalidRequest(_message(error)) from None
 
@@ -418,7 +438,9 @@ def _sse(
     async def events() -> AsyncIterator[str]:
         last: GenerationChunk | None = None
         try:
-            async for chunk in dispatcher.stream(route, request):
+            # A replica that fails before the first chunk is replaced once; the
+            # replica header (sent first) then names the one that failed.
+            async for chunk, _ in dispatcher.stream_served(route, request):
                 last = chunk
                 yield f"data: {json.dumps(to_json(chunk))}\n\n"
         except Exception as error:  # the status line is sent: report in-band
@@ -479,7 +501,11 @@ def _deployment_json(deployment: DeploymentInfo) -> dict[str, Any]:
         "xavier": deployment.xavier_description,
         "xavier_enabled": deployment.xavier_enabled,
         "router": dataclasses.asdict(deployment.router),
-        "replicas": [dataclasses.asdict(replica) for replica in deployment.replicas],
+        "replicas": [
+            dataclasses.asdict(replica)
+            | {"state": deployment.replica_state(replica.rank)}
+            for replica in deployment.replicas
+        ],
     }
 
 

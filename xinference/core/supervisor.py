@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,12 +30,14 @@ import xoscar as xo
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
 from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
+from .liveness import LivenessMonitor
 from .messages import (
     DeploymentInfo,
     LaunchProgress,
     ReplicaInfo,
     ReplicaReport,
     ReplicaSpec,
+    ReplicaStates,
     ReplicaStats,
     format_counters,
 )
@@ -51,6 +53,7 @@ POOL_START_TIMEOUT_S = 120.0
 RPC_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 120.0
 XAVIER_READY_TIMEOUT_S = 120.0
+TRACKER_FORGET_TIMEOUT_S = 5.0
 PROGRESS_LOG_INTERVAL_S = 10.0
 
 T = TypeVar("T")
@@ -82,14 +85,31 @@ class _Deployment:
     model_path: str = ""
     ucx: str = ""  # the UCX transports the replicas may use (placement's account)
     task: asyncio.Task[DeploymentInfo] | None = None  # the launch, while it runs
+    # rank -> why it is gone for good (engine or process died; worker lost)
+    gone: dict[int, str] = field(default_factory=dict)
+    # rank -> why it gets no requests for now (missed its last health probe)
+    unresponsive: dict[int, str] = field(default_factory=dict)
+    monitor: asyncio.Task[None] | None = None  # liveness, while ready
 
     def progress(self) -> LaunchProgress:
+        state, detail = self.state, self.detail
+        if state == "ready" and (self.gone or self.unresponsive):
+            # Still serving on the others: say which replicas are not and why.
+            state = "degraded"
+            detail = "; ".join(
+                [f"replica {r} gone: {why}" for r, why in sorted(self.gone.items())]
+                + [
+                    f"replica {r} unresponsive: {why}"
+                    for r, why in sorted(self.unresponsive.items())
+                ]
+            )
         return LaunchProgress(
             model_uid=self.spec.model_uid,
-            state=self.state,
-            replicas_ready=len(self.replicas),
+            state=state,
+            replicas_ready=len([r for r in self.replicas if r not in self.gone])
+            - len([r for r in self.unresponsive if r not in self.gone]),
             replicas_total=self.spec.replica,
-            detail=self.detail,
+            detail=detail,
             elapsed_s=time.monotonic() - self.started,
         )
 
@@ -206,6 +226,9 @@ class SupervisorActor(xo.StatelessActor):
         record.state = "ready"
         record.detail = f"ready in {time.monotonic() - record.started:.1f} s"
         logger.info("%s is ready: %s", uid, record.detail)
+        record.monitor = asyncio.create_task(
+            LivenessMonitor(record, self._mark_replicas_gone).run()
+        )
         return self._deployment_info(record)
 
     async def _launch(self, record: _Deployment) -> None:
@@ -342,6 +365,52 @@ class SupervisorActor(xo.StatelessActor):
                 progress.elapsed_s,
             )
 
+    # ---- replica failures ---------------------------------------------------------
+
+    async def _mark_replicas_gone(
+        self, record: _Deployment, ranks: Iterable[int], reason: str
+    ) -> None:
+        """Replicas ``ranks`` of ``record`` died (their engine, their process or
+        their worker): record why, make the block tracker forget them (nobody is
+        sent there for a prefix again; a tracker that is gone is ignored) and log
+        once. The front end stops routing to them (``replica_states``)."""
+        new = sorted({rank for rank in ranks if rank not in record.gone})
+        if not new:
+            return
+        uid = record.spec.model_uid
+        for rank in new:
+            record.gone[rank] = reason
+            record.unresponsive.pop(rank, None)
+        logger.error(
+            "%s replica(s) %s gone: %s; %d of %d still serve",
+            uid,
+            ", ".join(map(str, new)),
+            reason,
+            len([r for r in record.replicas if r not in record.gone]),
+            record.spec.replica,
+        )
+        if record.tracker is None:
+            return
+        for rank in new:
+            try:
+                await _deadline(
+                    record.tracker.forget_replica(rank), TRACKER_FORGET_TIMEOUT_S
+                )
+            except Exception as error:  # the tracker went too (e.g. terminating)
+                logger.warning(
+                    "%s: the block tracker could not forget replica %d: %r",
+                    uid,
+                    rank,
+                    error,
+                )
+
+    async def replica_states(self, model_uid: str) -> ReplicaStates:
+        """Which replicas must get no requests now (the front end asks often)."""
+        record = self._record(model_uid)
+        return ReplicaStates(
+            gone=dict(record.gone), unresponsive=dict(record.unresponsive)
+        )
+
     # ---- queries ------------------------------------------------------------------
 
     async def progress(self, model_uid: str) -> LaunchProgress:
@@ -368,7 +437,7 @@ class SupervisorActor(xo.StatelessActor):
         record = self._record(model_uid)
         return await _all(
             _deadline(record.models[rank].report(), RPC_TIMEOUT_S)
-            for rank in sorted(record.models)
+            for rank in _serving(record)
         )
 
     async def collect_stats(self, model_uid: str) -> list[ReplicaStats]:
@@ -377,7 +446,7 @@ class SupervisorActor(xo.StatelessActor):
             return []
         return await _all(
             _deadline(record.models[rank].stats(), RPC_TIMEOUT_S)
-            for rank in sorted(record.models)
+            for rank in _serving(record)
         )
 
     # ---- terminate ----------------------------------------------------------------
@@ -393,6 +462,9 @@ class SupervisorActor(xo.StatelessActor):
             raise LaunchOptionError(f"model {model_uid!r} is {record.state}")
         record.state = "terminating"
         record.detail = "terminating"
+        if record.monitor is not None:
+            record.monitor.cancel()
+            await asyncio.gather(record.monitor, return_exceptions=True)
         try:
             return await self._teardown(record)
         finally:
@@ -422,13 +494,18 @@ class SupervisorActor(xo.StatelessActor):
                     results[rank] = outcome
             return results
 
+        # A gone replica's actors may not exist any more: only its sub-pool (if
+        # the liveness monitor has not removed it yet) is taken down.
+        live = {
+            rank: ref for rank, ref in record.models.items() if rank not in record.gone
+        }
         await step(
             "engine shutdown",
-            {rank: ref.shutdown_engine() for rank, ref in record.models.items()},
+            {rank: ref.shutdown_engine() for rank, ref in live.items()},
         )
         finals = await step(
             "transfer actor close",
-            {rank: ref.close_transfer_actor() for rank, ref in record.models.items()},
+            {rank: ref.close_transfer_actor() for rank, ref in live.items()},
         )
         counters = {rank: stats for rank, stats in finals.items() if stats is not None}
         for rank in sorted(counters):
@@ -485,7 +562,18 @@ class SupervisorActor(xo.StatelessActor):
             created=record.created,
             model_name=spec.model_name or Path(record.model_path).name,
             quantization=dict(spec.engine.extra).get("quantization"),
+            gone=tuple(sorted(record.gone.items())),
+            unresponsive=tuple(sorted(record.unresponsive.items())),
         )
+
+
+def _serving(record: _Deployment) -> list[int]:
+    """Ranks that can answer now (not gone, not missing health probes)."""
+    return [
+        rank
+        for rank in sorted(record.models)
+        if rank not in record.gone and rank not in record.unresponsive
+    ]
 
 
 def _host(address: str) -> str:
