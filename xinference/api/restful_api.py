@@ -193,6 +193,8 @@ def create_app(supervisor_address: str) -> FastAPI:
                 "replica": item.replicas_total,
                 "replicas_ready": item.replicas_ready,
             }
+            if item.state == "degraded":  # which replicas do not serve, and why
+                entry["detail"] = item.detail
             if deployment is not None:
                 entry |= _upstream_description(deployment)
                 entry["xavier"] = deployment.xavier_description

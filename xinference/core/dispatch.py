@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import xoscar as xo
 from xoscar.errors import ServerClosed
@@ -56,6 +56,7 @@ SUSPECT_S = 5.0
 # A call to a replica failing with one of these: its actor or process is not there.
 _UNREACHABLE = (ServerClosed, xo.ActorNotExist, ConnectionError)
 
+T = TypeVar("T")
 StatesSource = Callable[[], Awaitable[ReplicaStates]]
 
 
@@ -256,7 +257,7 @@ class ReplicaDispatcher:
         started = time.monotonic()
         with self._counted(route.rank):
             try:
-                chunk = await asyncio.wait_for(
+                chunk = await _bounded(
                     self._replicas[route.rank].generate(request), REQUEST_TIMEOUT_S
                 )
             except _UNREACHABLE as error:
@@ -290,7 +291,7 @@ class ReplicaDispatcher:
         latency, first_token = self.latency[route.rank], True
         with self._counted(route.rank):
             try:
-                await asyncio.wait_for(replica.open_stream(request), RPC_MARGIN_S)
+                await _bounded(replica.open_stream(request), RPC_MARGIN_S)
             except _UNREACHABLE as error:
                 raise ReplicaFailed(route.rank, _unreachable(error)) from None
             done = False
@@ -302,7 +303,7 @@ class ReplicaDispatcher:
                             f"{REQUEST_TIMEOUT_S:.0f} s"
                         )
                     try:
-                        batch = await asyncio.wait_for(
+                        batch = await _bounded(
                             replica.next_chunks(request.request_id, STREAM_POLL_S),
                             STREAM_POLL_S + RPC_MARGIN_S,
                         )
@@ -348,7 +349,7 @@ class ReplicaDispatcher:
 
     async def _close_stream(self, replica: Any, request_id: str) -> None:
         try:
-            await asyncio.wait_for(replica.close_stream(request_id), RPC_MARGIN_S)
+            await _bounded(replica.close_stream(request_id), RPC_MARGIN_S)
         except (TimeoutError, *_UNREACHABLE) as error:
             logger.warning("could not abort stream %s: %r", request_id, error)
 
@@ -372,7 +373,7 @@ class ReplicaDispatcher:
         if not keys:
             return None, 0
         try:
-            hit = await asyncio.wait_for(
+            hit = await _bounded(
                 self._tracker.query_prefix(-1, keys), TRACKER_TIMEOUT_S
             )
         except (TimeoutError, xo.ActorNotExist, ConnectionError) as error:
@@ -396,3 +397,16 @@ class ReplicaDispatcher:
 
 def _unreachable(error: BaseException) -> str:
     return f"its process or actor is unreachable ({type(error).__name__}: {error})"
+
+
+async def _bounded(call: Awaitable[T], timeout: float) -> T:
+    """``call`` (an actor call) under a deadline that holds even when the peer is
+    stopped: ``asyncio.wait_for`` would wait for the cancelled call, and xoscar
+    cancels a call by asking the peer, which never answers. Our own caller being
+    cancelled still cancels the call (that is how an abort reaches a replica)."""
+    task = asyncio.ensure_future(call)
+    try:
+        return cast(T, await xo.wait_for(task, timeout))
+    except asyncio.CancelledError:
+        task.cancel()
+        raise

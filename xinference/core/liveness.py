@@ -85,7 +85,7 @@ class LivenessMonitor:
         dead: dict[int, str] = {}
         addresses = {rank: record.addresses[rank] for rank in ranks}
         try:
-            health = await asyncio.wait_for(
+            health = await xo.wait_for(
                 record.worker.replica_health(list(addresses.values())), self._probe_s
             )
             self._worker_failed = False
@@ -100,7 +100,8 @@ class LivenessMonitor:
                 dead[rank] = reason
         probes = await asyncio.gather(
             *(
-                asyncio.wait_for(record.models[rank].health(), self._probe_s)
+                # xo.wait_for: its deadline holds against a stopped process
+                xo.wait_for(record.models[rank].health(), self._probe_s)
                 for rank in ranks
             ),
             return_exceptions=True,
@@ -144,7 +145,7 @@ class LivenessMonitor:
         if address is None:
             return
         try:
-            killed: Any = await asyncio.wait_for(
+            killed: Any = await xo.wait_for(
                 record.worker.remove_replica(address), RETIRE_TIMEOUT_S
             )
         except Exception as error:

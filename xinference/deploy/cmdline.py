@@ -336,6 +336,8 @@ def list_models(ctx: click.Context, endpoint: str | None, api_key: str | None) -
             f"{model['id']:<24} {model['status']:<10} "
             f"{model['replicas_ready']}/{model['replica']:<7} {model.get('xavier', '')}"
         )
+        if model.get("detail"):  # a degraded model: which replicas and why
+            click.echo(f"  {model['detail']}")
 
 
 @cli.command()
