@@ -109,23 +109,28 @@ def complete(http: httpx.Client, uid: str, prompt: str) -> Outcome:
 
 
 class Traffic:
-    """``clients`` threads, each sending its share of ``prompts`` one at a time."""
+    """``clients`` threads sending ``prompts`` in turn, one request at a time each,
+    until ``join``: the fault lands in the middle of a steady flow."""
 
     def __init__(
         self, endpoint: str, uid: str, prompts: list[str], clients: int
     ) -> None:
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
-        shares = [prompts[i::clients] for i in range(clients)]
+        self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._run, args=(endpoint, uid, share))
-            for share in shares
+            threading.Thread(
+                target=self._run, args=(endpoint, uid, prompts[i:] + prompts[:i])
+            )
+            for i in range(clients)
         ]
 
     def _run(self, endpoint: str, uid: str, prompts: list[str]) -> None:
         with httpx.Client(base_url=endpoint, timeout=REQUEST_BOUND_S + 30) as http:
-            for prompt in prompts:
-                outcome = complete(http, uid, prompt)
+            index = 0
+            while not self._stop.is_set():
+                outcome = complete(http, uid, prompts[index % len(prompts)])
+                index += 1
                 with self._lock:
                     self.outcomes.append(outcome)
 
@@ -134,11 +139,29 @@ class Traffic:
             thread.start()
         return self
 
-    def join(self) -> list[Outcome]:
+    def join(self, after_s: float = 0.0) -> list[Outcome]:
+        """Let it run ``after_s`` more seconds, then stop; every outcome."""
+        time.sleep(after_s)
+        self._stop.set()
         for thread in self._threads:
-            thread.join(REQUEST_BOUND_S * 4)
+            thread.join(REQUEST_BOUND_S * 2)
             assert not thread.is_alive(), "a client thread hangs"
         return self.outcomes
+
+
+def summary(name: str, outcomes: list[Outcome], fault_at: float) -> None:
+    """One line per scenario for the record (pytest -s shows it)."""
+    count: dict[tuple[str, Any, Any], int] = {}
+    for o in outcomes:
+        when = "before" if o.ended < fault_at else "after"
+        key = (when, o.status, o.replica)
+        count[key] = count.get(key, 0) + 1
+    slowest = max(o.seconds for o in outcomes)
+    print(
+        f"\n[{name}] {len(outcomes)} requests, slowest {slowest:.1f} s; "
+        "(ended before/after the fault, status, replica): "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(count.items(), key=str))
+    )
 
 
 def check_outcomes(outcomes: list[Outcome], reference: dict[str, str]) -> None:
@@ -281,7 +304,7 @@ def test_a_holder_stopped_past_the_load_deadline(
     try:
         # Group 0 shares the holder's prefix: loads from it must give up at the
         # deadline and recompute; requests routed to it wait or go elsewhere.
-        traffic = Traffic(server.endpoint, MODEL, PROMPTS[1:8], clients=3).start()
+        traffic = Traffic(server.endpoint, MODEL, PROMPTS[1:8], clients=4).start()
         noticed = wait_until(
             lambda: state_of(http, MODEL, holder).startswith("unresponsive"),
             NOTICE_BOUND_S,
@@ -293,7 +316,8 @@ def test_a_holder_stopped_past_the_load_deadline(
         for process in processes:
             process.send_signal(signal.SIGCONT)
     resumed = time.monotonic()
-    outcomes = traffic.join()
+    outcomes = traffic.join(after_s=3.0)
+    summary("SIGSTOP holder", outcomes, resumed)
 
     check_outcomes(outcomes, reference)
     assert noticed < NOTICE_BOUND_S
@@ -323,7 +347,7 @@ def test_an_engine_core_killed_mid_traffic(
     publish(http, MODEL, PROMPTS[8])  # both groups' prefixes are published now
     core = engine_core(deployment, victim)
     processes = replica_processes(deployment, victim)
-    traffic = Traffic(server.endpoint, MODEL, PROMPTS * 2, clients=4).start()
+    traffic = Traffic(server.endpoint, MODEL, PROMPTS, clients=4).start()
     time.sleep(2.0)
     core.kill()
     killed = time.monotonic()
@@ -332,7 +356,9 @@ def test_an_engine_core_killed_mid_traffic(
         NOTICE_BOUND_S,
         "dead engine noticed",
     )
-    outcomes = traffic.join()
+    outcomes = traffic.join(after_s=5.0)
+    summary("SIGKILL engine core", outcomes, killed)
+    assert any(o.ended < killed for o in outcomes)  # the fault came mid-traffic
 
     check_outcomes(outcomes, reference)
     assert noticed < NOTICE_BOUND_S
@@ -367,7 +393,7 @@ def test_the_transfer_actors_process_killed_mid_traffic(
     survivor = 1 - holder
     processes = replica_processes(deployment, holder)
     assert len(processes) >= 3  # the sub-pool, its engine core, the vLLM worker
-    traffic = Traffic(server.endpoint, MODEL, PROMPTS * 2, clients=4).start()
+    traffic = Traffic(server.endpoint, MODEL, PROMPTS, clients=4).start()
     time.sleep(2.0)
     processes[0].kill()
     killed = time.monotonic()
@@ -376,7 +402,9 @@ def test_the_transfer_actors_process_killed_mid_traffic(
         NOTICE_BOUND_S,
         "dead sub-pool noticed",
     )
-    outcomes = traffic.join()
+    outcomes = traffic.join(after_s=5.0)
+    summary("SIGKILL transfer actor's process", outcomes, killed)
+    assert any(o.ended < killed for o in outcomes)  # the fault came mid-traffic
 
     check_outcomes(outcomes, reference)
     assert "sub-pool process" in state_of(http, MODEL, holder)
