@@ -248,9 +248,10 @@ async def soak(
             if text != reference[prompt]:
                 tally.mismatched += 1
                 tally.mismatches.append((prompt[:60], text, reference[prompt]))
-            if tally.sent % 200 == 0:
+            finished = tally.completed + tally.cancelled + tally.failed
+            if finished % 200 == 0:
                 print(
-                    f"  {tally.sent} sent, {tally.completed} completed, "
+                    f"  {finished} done: {tally.completed} completed, "
                     f"{tally.cancelled} cancelled, {tally.failed} failed, "
                     f"{tally.mismatched} mismatched "
                     f"({time.monotonic() - started:.0f} s)",
@@ -290,7 +291,7 @@ def main() -> int:
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--prefix-words", type=int, default=160)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--seed", type=int, default=14)
     parser.add_argument("--fd-bound", type=int, default=16, help="per process")
     parser.add_argument(
