@@ -108,6 +108,16 @@ def complete(http: httpx.Client, uid: str, prompt: str) -> Outcome:
     )
 
 
+_RUNNING: list[Traffic] = []
+
+
+@pytest.fixture(autouse=True)
+def _halt_traffic():
+    yield
+    while _RUNNING:
+        _RUNNING.pop().halt()
+
+
 class Traffic:
     """``clients`` threads sending ``prompts`` in turn, one request at a time each,
     until ``join``: the fault lands in the middle of a steady flow."""
@@ -120,10 +130,13 @@ class Traffic:
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(
-                target=self._run, args=(endpoint, uid, prompts[i:] + prompts[:i])
+                target=self._run,
+                args=(endpoint, uid, prompts[i:] + prompts[:i]),
+                daemon=True,
             )
             for i in range(clients)
         ]
+        _RUNNING.append(self)
 
     def _run(self, endpoint: str, uid: str, prompts: list[str]) -> None:
         with httpx.Client(base_url=endpoint, timeout=REQUEST_BOUND_S + 30) as http:
@@ -133,6 +146,10 @@ class Traffic:
                 index += 1
                 with self._lock:
                     self.outcomes.append(outcome)
+
+    def halt(self) -> None:
+        """Stop sending (a failed test must not leave clients running)."""
+        self._stop.set()
 
     def start(self) -> Traffic:
         for thread in self._threads:
