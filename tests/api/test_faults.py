@@ -19,8 +19,8 @@ no process of the dead replica is left.
 - restart the local cluster: stop the server with a degraded model, start it
   again, launch again and serve.
 
-The first two run in CI (about three minutes here); the last two launch two more
-deployments and run only with ``XINFERENCE_FAULT_TESTS=1``.
+The first two run in CI (105 s here, server start included); the last two
+launch two more deployments and run only with ``XINFERENCE_FAULT_TESTS=1``.
 """
 
 from __future__ import annotations
