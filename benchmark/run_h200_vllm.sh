@@ -42,12 +42,17 @@ MODEL_SHAPE=${MODEL_SHAPE:-intermediate_size=4864, max_position_embeddings=16384
 TTFT_LENGTHS=${TTFT_LENGTHS:-512 2048 8192}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-}   # e.g. "--warm 40 --groups 4" for a dry run on a CPU
 ONLY_PHASES=${ONLY_PHASES:-}       # e.g. "unique": these phases for every deployment
+# e.g. 20: py-spy the engine cores this long per deployment. Needs py-spy in .whl:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 -d .whl py-spy
+PROFILE_S=${PROFILE_S:-}
+PROFILE_DELAY_S=${PROFILE_DELAY_S:-15}  # ... starting this long after the launch
 mkdir -p "$LOGS"
 if [[ -z ${SKIP_WHEELS:-} ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target .site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=$PWD:$PWD/.site:/tmp/site PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=$PWD:$PWD/.site:/tmp/site PATH=/tmp/site/bin:$PWD/.site/bin:$PATH
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -96,6 +101,7 @@ deploy() {  # deploy LABEL PHASES [launch options...]
     >> "$LOGS/launch-$label.log" 2>&1 || {
       echo "launch $label failed"; tail -5 "$LOGS/launch-$label.log"; return; }
   tail -4 "$LOGS/launch-$label.log" | tee -a "$LOGS/summary.txt"
+  [[ -n $PROFILE_S ]] && profile_engines "$label" &
   local left=$(( BUDGET_S - SECONDS - 20 ))
   if (( left < 30 )); then echo "no time left for $label's phases"; return; fi
   timeout "$left" python3 benchmark/serving_benchmark.py run --endpoint "$EP" \
@@ -103,6 +109,19 @@ deploy() {  # deploy LABEL PHASES [launch options...]
     --lengths $TTFT_LENGTHS $WORKLOAD_ARGS --terminate 2>&1 | tee -a "$LOGS/summary.txt"
   # Terminated by the benchmark; if it failed first, terminate here (prints counters).
   xi 60 terminate --model-uid "$label" >> "$LOGS/summary.txt" 2>&1 || true
+}
+
+profile_engines() {  # profile_engines LABEL: py-spy every engine core, in the background
+  # (needs py-spy in .whl; raw collapsed stacks, one file per process, per thread)
+  sleep "$PROFILE_DELAY_S"
+  local pid
+  pgrep -f "VLLM::EngineCore" > /dev/null || ps -eo pid,args > "$LOGS/profile-$1-ps.txt"
+  for pid in $(pgrep -f "VLLM::EngineCore"); do
+    py-spy record --pid "$pid" --duration "$PROFILE_S" --rate 250 --format raw \
+      --threads --nonblocking -o "$LOGS/profile-$1-$pid.txt" \
+      > "$LOGS/profile-$1-$pid.log" 2>&1 &
+  done
+  wait
 }
 
 XAVIER=(--enable-xavier --xavier-gpu-cache-bytes 256MiB)

@@ -18,6 +18,9 @@ transport, so one run compares them under the same conditions:
   nixl-read     nixl-slab without the scatter: the transport's part alone (the
                 rows land in the receive slab, which is checked instead of the
                 engine blocks).
+  nixl-read-rows  nixl-read with the endpoint's prepared row lists turned on
+                (``use_row_lists``): a READ names rows of descriptor lists NIXL
+                prepared when the peer was met, instead of building its own.
 
 ``--engine-allocation one`` lays the engine's layers out as views of one allocation
 (vLLM on CPU does; the scatter then copies a chunk in one kernel through the stacked
@@ -97,7 +100,15 @@ GEOMETRY = KVGeometry(
 SIZES = (1, 16, 64)
 HOLDER_SLOTS = 96  # 18 MiB of store rows
 ENGINE_BLOCKS = 96
-CASES = ("xoscar", "nixl-slab", "nixl-engine", "nixl-slab-rpc", "nixl-read")
+CASES = (
+    "xoscar",
+    "nixl-slab",
+    "nixl-engine",
+    "nixl-slab-rpc",
+    "nixl-read",
+    "nixl-read-rows",
+)
+SLAB_ONLY = ("nixl-read", "nixl-read-rows")  # cases that leave rows in the slab
 HOLDER_UID = "transport-bench-holder"
 LOADER_UID = "transport-bench-loader"
 RPC_TIMEOUT_S = 30.0
@@ -116,7 +127,7 @@ def engine_tensors(layout: str, device: str, allocation: str) -> list[torch.Tens
             for _ in range(LAYERS)
         ]
     nb, h, t, d = ENGINE_BLOCKS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM
-    if layout == "cpu":
+    if layout == "packed_kv":
         return [x.view(nb, h, t, 2 * d) for x in layers]
     if layout == "block_first":
         return [x.view(nb, 2, t, h, d) for x in layers]
@@ -187,6 +198,7 @@ class BenchPeer(xo.StatelessActor):
             )
         self.transports["nixl-slab-rpc"] = self.transports["nixl-slab"]
         self.transports["nixl-read"] = self.transports["nixl-slab"]
+        self.transports["nixl-read-rows"] = self.transports["nixl-slab"]
 
     async def __pre_destroy__(self) -> None:
         for transport in set(self.transports.values()):
@@ -224,6 +236,7 @@ class BenchPeer(xo.StatelessActor):
 
         module = nixl_transport
         module.plan_slab_read = timed("plan", module.plan_slab_read)  # type: ignore
+        module.plan_slab_rows = timed("plan", module.plan_slab_rows)  # type: ignore
         mark = module.DeviceWorkMark
         mark.wait = timed("slab wait", mark.wait)  # type: ignore
         endpoint = module.NixlAgentEndpoint
@@ -279,14 +292,16 @@ class BenchPeer(xo.StatelessActor):
             self._holder = await xo.actor_ref(holder_address, HOLDER_UID)
         transport = self.transports[case]
         keys = [s.to_bytes(16, "big") for s in slots]
-        scatter = self._scatter(blocks) if case != "nixl-read" else _no_scatter
+        scatter = self._scatter(blocks) if case not in SLAB_ONLY else _no_scatter
         holder = self._holder
 
         async def holder_call(op: str, *args: Any) -> Any:
             return await holder.transport_call(op, *args)
 
         extra: dict[str, Any] = {}
-        if case in ("nixl-slab", "nixl-engine", "nixl-read"):
+        if isinstance(transport, NixlDirectTransport):
+            transport.endpoint.use_row_lists = case == "nixl-read-rows"
+        if case in ("nixl-slab", "nixl-engine", *SLAB_ONLY):
             # What the lease grant carries: no RPC to locate the rows.
             source = await holder.transport_call("source", "bench", keys)
             hint = TransportHint(source.epoch, tuple(source.first_rows))
@@ -375,7 +390,7 @@ async def run_case(
     times = await loader.load(case, holder_address, slots, dst, args.loads)
     after = (await holder.snapshot(case), await loader.snapshot(case))
     steps = await loader.take_breakdown() if args.breakdown else {}
-    if case == "nixl-read":
+    if case in SLAB_ONLY:
         verified = await loader.verify_slab(holder_rows, slots)
     else:
         verified = await loader.verify(holder_rows, slots, dst)
@@ -443,7 +458,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    layout = args.layout or ("kv_first" if device.type == "cuda" else "cpu")
+    layout = args.layout or ("kv_first" if device.type == "cuda" else "packed_kv")
     pool = await xo.create_actor_pool(
         "127.0.0.1", n_process=2, external_address_schemes=["nixl"] * 3
     )
@@ -525,9 +540,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--layout",
-        choices=("cpu", "block_first", "kv_first"),
+        choices=("packed_kv", "block_first", "kv_first"),
         default=None,
-        help="engine KV layout (default: cpu on CPU, kv_first on CUDA)",
+        help="engine KV layout (default: packed_kv on CPU, kv_first on CUDA)",
     )
     parser.add_argument(
         "--engine-allocation",

@@ -338,7 +338,7 @@ def test_a_holder_stopped_past_the_load_deadline(
 
     check_outcomes(outcomes, reference)
     assert noticed < NOTICE_BOUND_S
-    assert "degraded" in degraded and f"replica {holder} unresponsive" in degraded
+    assert "degraded" in degraded and f"replica {holder}: unresponsive" in degraded
     # the survivor served while the holder was stopped
     assert any(
         o.status == 200 and o.replica == survivor and o.ended < resumed
@@ -382,7 +382,8 @@ def test_an_engine_core_killed_mid_traffic(
     assert state_of(http, MODEL, victim) == "gone: its vLLM engine core died"
     shown = listed(server.endpoint)
     assert "degraded" in shown and "1/2" in shown
-    assert f"replica {victim} gone: its vLLM engine core died" in shown
+    assert f"replica {victim}: gone" in shown
+    assert "its vLLM engine core died" in shown
     # the survivor kept serving, and after the notice only it gets requests
     after = [o for o in outcomes if o.started > killed + noticed + 1.0]
     assert all(o.status == 200 and o.replica == survivor for o in after), after

@@ -5,18 +5,18 @@ engine); the tracker is the real ``BlockTrackerActor`` in an in-process pool, an
 the keys are hashed the way the connector registers them.
 """
 
+import asyncio
+
 import pytest
 import xoscar as xo
 
-from xinference.core.dispatch import ReplicaDispatcher
+from xinference.core.dispatch import ReplicaDispatcher, ReplicaUnavailable
 from xinference.core.messages import (
     DeploymentInfo,
     GenerationChunk,
     GenerationRequest,
-    ReplicaFailed,
     ReplicaInfo,
     ReplicaStates,
-    ServiceUnavailable,
     StreamBatch,
 )
 from xinference.core.options import RouterSettings
@@ -170,57 +170,26 @@ async def test_a_stream_left_early_is_aborted_on_the_replica(pool):
     assert dispatcher.in_flight == (0, 0)
 
 
-class States:
-    """A supervisor's ``replica_states`` answer the test sets."""
-
-    def __init__(self):
-        self.value = ReplicaStates()
-        self.asked = 0
-
-    async def __call__(self):
-        self.asked += 1
-        return self.value
-
-
 async def test_gone_and_unresponsive_replicas_get_no_requests(pool):
     dispatcher, _, _ = await make(pool, RoundRobinRouter(), num_replicas=3)
-    states = States()
-    dispatcher._states_source = states
-    states.value = ReplicaStates(gone={1: "its vLLM engine core died"})
-    await dispatcher.refresh_states(force=True)
-    assert [(await dispatcher.route([1, 2])).rank for _ in range(4)] == [0, 2, 0, 2]
-    states.value = ReplicaStates(gone={1: "dead"}, unresponsive={2: "no answer"})
-    await dispatcher.refresh_states(force=True)
+    dispatcher.update_states(ReplicaStates(gone={1: "its vLLM engine core died"}))
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(4)} == {0, 2}
+    dispatcher.update_states(
+        ReplicaStates(gone={1: "dead"}, unresponsive={2: "no answer"})
+    )
     assert {(await dispatcher.route([1, 2])).rank for _ in range(3)} == {0}
     # every live replica unresponsive: wait on them rather than refuse
-    states.value = ReplicaStates(gone={1: "dead"}, unresponsive={0: "x", 2: "y"})
-    await dispatcher.refresh_states(force=True)
+    dispatcher.update_states(
+        ReplicaStates(gone={1: "dead"}, unresponsive={0: "x", 2: "y"})
+    )
     assert {(await dispatcher.route([1, 2])).rank for _ in range(4)} == {0, 2}
-
-
-async def test_no_replica_left_is_service_unavailable_with_the_reasons(pool):
-    dispatcher, _, _ = await make(pool, RoundRobinRouter())
-    states = States()
-    states.value = ReplicaStates(gone={0: "engine died", 1: "sub-pool exited"})
-    dispatcher._states_source = states
-    await dispatcher.refresh_states(force=True)
-    with pytest.raises(ServiceUnavailable, match="replica 0: engine died"):
-        await dispatcher.route([1, 2])
-
-
-async def test_states_are_asked_at_most_once_a_second(pool):
-    dispatcher, _, _ = await make(pool, RoundRobinRouter())
-    states = States()
-    dispatcher._states_source = states
-    dispatcher._states_at = 0.0  # long ago
-    for _ in range(5):
-        await dispatcher.route([1, 2])
-    assert states.asked == 1
+    # answering again: back in turn
+    dispatcher.update_states(ReplicaStates(gone={1: "dead"}))
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(4)} == {0, 2}
 
 
 async def test_a_request_whose_replica_vanished_is_served_by_another(pool):
     dispatcher, _, replicas = await make(pool, RoundRobinRouter())
-    dispatcher._states_source = States()
     await xo.destroy_actor(replicas[0])
     route = await dispatcher.route([1, 2, 3])
     assert route.rank == 0
@@ -231,8 +200,10 @@ async def test_a_request_whose_replica_vanished_is_served_by_another(pool):
     # the failed replica is avoided for a while even before the supervisor knows
     assert {(await dispatcher.route([1, 2])).rank for _ in range(3)} == {1}
     # a stream that fails before its first chunk is sent to the other replica too
-    dispatcher._suspect_until.clear()
+    dispatcher._suspect.clear()
     route = await dispatcher.route([1, 2, 3])
+    if route.rank != 0:  # round robin: the next one is replica 0
+        route = await dispatcher.route([1, 2, 3])
     assert route.rank == 0
     seen = [
         (chunk.text, rank)
@@ -245,5 +216,81 @@ async def test_a_vanished_replica_with_no_other_is_a_clear_failure(pool):
     dispatcher, _, replicas = await make(pool, RoundRobinRouter(), num_replicas=1)
     await xo.destroy_actor(replicas[0])
     route = await dispatcher.route([1, 2, 3])
-    with pytest.raises(ReplicaFailed, match="replica 0 failed: its process or actor"):
+    with pytest.raises(ReplicaUnavailable, match="replica 0 of m at .* unreachable"):
         await dispatcher.serve(route, request([1, 2, 3]))
+
+
+# ---- replicas that are gone or unreachable ----------------------------------------
+
+
+async def test_gone_replicas_are_not_routed_to_not_even_as_prefix_holders(pool):
+    dispatcher, tracker, _ = await make(pool, CacheAwareRouter(busy_margin=1), 3)
+    prompt = list(range(1, 18))
+    keys = hash_full_blocks(prompt[:-1], BLOCK, NAMESPACE)
+    await tracker.register_blocks(1, keys)
+    dispatcher.update_gone({1: "worker 127.0.0.3:1 sent no heartbeat"})
+
+    assert dispatcher.live_ranks() == [0, 2]
+    ranks = {(await dispatcher.route(prompt)).rank for _ in range(6)}
+    assert ranks <= {0, 2} and ranks
+
+
+async def test_round_robin_cycles_over_the_survivors(pool):
+    robin, _, _ = await make(pool, RoundRobinRouter(), 3)
+    robin.update_gone({0: "gone"})
+    assert [(await robin.route([1])).rank for _ in range(4)] == [1, 2, 1, 2]
+
+
+async def test_no_live_replica_fails_at_once_with_the_reasons(pool):
+    from xinference.core.dispatch import ReplicaUnavailable
+
+    dispatcher, _, _ = await make(pool, RoundRobinRouter(), 2)
+    dispatcher.update_gone({0: "worker A lost", 1: "worker B lost"})
+    with pytest.raises(ReplicaUnavailable, match="worker A lost.*worker B lost"):
+        await dispatcher.route([1, 2, 3])
+
+
+async def test_an_unreachable_replica_fails_the_request_fast_and_is_skipped(pool):
+    """A replica whose process is gone: the call fails with a clear error (not a
+    hang) and the next routes avoid it until the supervisor decides."""
+    from xinference.core.dispatch import ReplicaUnavailable
+
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter(), 2)
+    await xo.destroy_actor(replicas[1])  # the actor vanished: ActorNotExist
+    route0 = await dispatcher.route([1])
+    route1 = await dispatcher.route([1])
+    assert (route0.rank, route1.rank) == (0, 1)
+    with pytest.raises(ReplicaUnavailable, match="replica 1 of m .* unreachable"):
+        await dispatcher.generate(route1, request([1]))
+    assert dispatcher.in_flight == (0, 0)
+    assert dispatcher.live_ranks() == [0]
+    assert [(await dispatcher.route([1])).rank for _ in range(3)] == [0, 0, 0]
+    # the supervisor's verdict replaces the suspicion
+    dispatcher.update_gone({1: "gone"})
+    assert dispatcher.gone == {1: "gone"} and dispatcher.live_ranks() == [0]
+
+
+class SilentReplica(xo.StatelessActor):
+    """Never answers, as a replica behind a network cut."""
+
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+
+
+async def test_a_request_waiting_on_a_replica_declared_gone_ends_at_once(pool):
+    from xinference.core.dispatch import ReplicaUnavailable
+
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter(), 2)
+    dispatcher._replicas[1] = await xo.create_actor(
+        SilentReplica, address=pool.external_address, uid="silent"
+    )
+    await dispatcher.route([1])
+    route = await dispatcher.route([1])
+    assert route.rank == 1
+    pending = asyncio.ensure_future(dispatcher.generate(route, request([1])))
+    await asyncio.sleep(0.2)
+    assert not pending.done()
+    dispatcher.update_gone({1: "worker 127.0.0.3:1 sent no heartbeat"})
+    with pytest.raises(ReplicaUnavailable, match="taken out of service.*heartbeat"):
+        await asyncio.wait_for(pending, 5)
+    assert dispatcher.in_flight == (0, 0)

@@ -74,7 +74,8 @@ async def deployment(pool, tmp_path, num_replicas=3):
     )
     record = _Deployment(spec)
     record.state = "ready"
-    record.worker = await xo.create_actor(FakeWorker, address=address, uid="worker")
+    worker = await xo.create_actor(FakeWorker, address=address, uid="worker")
+    record.workers = {rank: worker for rank in range(num_replicas)}
     record.tracker = await xo.create_actor(
         BlockTrackerActor, address=address, uid="tracker"
     )
@@ -106,7 +107,7 @@ async def test_a_dead_engine_and_an_exited_pool_are_gone_and_forgotten(pool, tmp
     await record.tracker.register_blocks(1, keys)
     await record.tracker.register_blocks(2, keys[:2])
     await record.models[1].set(answer="its vLLM engine core died")
-    await record.worker.set_exited("sub-pool-2", "its sub-pool process 42 exited")
+    await record.workers[2].set_exited("sub-pool-2", "its sub-pool process 42 exited")
 
     await monitor(record).check_once()
 
@@ -123,10 +124,10 @@ async def test_a_dead_engine_and_an_exited_pool_are_gone_and_forgotten(pool, tmp
     assert "replica 1 gone: its vLLM engine core died" in progress.detail
     # their sub-pools are removed (in the background)
     deadline = time.monotonic() + 5
-    while len(await record.worker.removed_addresses()) < 2:
+    while len(await record.workers[0].removed_addresses()) < 2:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
-    assert sorted(await record.worker.removed_addresses()) == [
+    assert sorted(await record.workers[0].removed_addresses()) == [
         "sub-pool-1",
         "sub-pool-2",
     ]
@@ -179,7 +180,7 @@ async def test_marking_gone_twice_logs_and_forgets_once(pool, tmp_path, caplog):
     await supervisor._mark_replicas_gone(record, [1], "something else")
     assert record.gone == {1: "worker lost"}
     assert [r.message for r in caplog.records].count(
-        next(r.message for r in caplog.records if "gone: worker lost" in r.message)
+        next(r.message for r in caplog.records if "gone (worker lost)" in r.message)
     ) == 1
     # a tracker that is gone is ignored
     await xo.destroy_actor(record.tracker)

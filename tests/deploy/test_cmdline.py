@@ -144,3 +144,32 @@ def test_malformed_command_lines_are_usage_errors(server, model_dir, options, me
     )
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+# ---- xinference-supervisor and xinference-worker -----------------------------------
+
+
+def test_a_worker_needs_to_know_where_the_supervisor_is(monkeypatch):
+    monkeypatch.delenv("XINFERENCE_ENDPOINT", raising=False)
+    result = CliRunner().invoke(cli, ["worker", "-H", "127.0.0.2"])
+    assert result.exit_code == 2
+    assert "give -e/--endpoint or --supervisor-address" in result.output
+
+
+def test_a_worker_reports_an_endpoint_it_cannot_ask():
+    result = CliRunner().invoke(
+        cli, ["worker", "-e", "http://127.0.0.1:1", "-H", "127.0.0.2"]
+    )
+    assert result.exit_code == 1
+    assert "cannot ask http://127.0.0.1:1 for the supervisor's address" in (
+        result.output
+    )
+
+
+def test_the_cluster_commands_take_upstreams_flags():
+    supervisor = CliRunner().invoke(cli, ["supervisor", "--help"]).output
+    for flag in ("--host", "-H", "--port", "-p", "--supervisor-port"):
+        assert flag in supervisor
+    worker = CliRunner().invoke(cli, ["worker", "--help"]).output
+    for flag in ("--endpoint", "-e", "--host", "-H", "--worker-port"):
+        assert flag in worker

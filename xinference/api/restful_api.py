@@ -13,6 +13,9 @@
                                       returns the final Xavier counters
     POST   /v1/completions            OpenAI completions, streamed (SSE) or not
     POST   /v1/chat/completions       OpenAI chat completions, streamed (SSE) or not
+    GET    /v1/address                the supervisor's xoscar address (workers
+                                      started with -e find it here)
+    GET    /v1/workers                the registered workers and their replicas
     GET    /metrics                   Prometheus text, per replica
     GET    /                          the web page (``web/``, static files under /web)
 
@@ -40,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from ..core.dispatch import ReplicaDispatcher, Route
+from ..core.dispatch import ReplicaDispatcher, ReplicaUnavailable, Route
 from ..core.messages import (
     DeploymentInfo,
     GenerationChunk,
@@ -63,6 +66,8 @@ REPLICA_HEADER = "X-Xinference-Replica"
 EXTERNAL_TOKENS_HEADER = "X-Xinference-Xavier-External-Tokens"
 HOLDER_HEADER = "X-Xinference-Xavier-Holder"
 WEB_DIR = Path(__file__).resolve().parent / "web"
+# How often a dispatcher asks the supervisor which replicas are gone (at most).
+GONE_REFRESH_S = 1.0
 
 
 class ModelHub:
@@ -81,14 +86,17 @@ class ModelHub:
     async def get(self, model_uid: str) -> ReplicaDispatcher:
         dispatcher = self._dispatchers.get(model_uid)
         if dispatcher is not None:
+            if time.monotonic() - dispatcher.gone_checked > GONE_REFRESH_S:
+                # gone (worker lost, engine or process dead) and unresponsive
+                dispatcher.update_states(
+                    await self.supervisor.replica_states(model_uid)
+                )
             return dispatcher
         async with self._locks.setdefault(model_uid, asyncio.Lock()):
             dispatcher = self._dispatchers.get(model_uid)
             if dispatcher is None:
                 deployment = await self.supervisor.describe_model(model_uid)
-                dispatcher = await ReplicaDispatcher.connect(
-                    deployment, lambda: self.supervisor.replica_states(model_uid)
-                )
+                dispatcher = await ReplicaDispatcher.connect(deployment)
                 self._dispatchers[model_uid] = dispatcher
         return dispatcher
 
@@ -136,8 +144,7 @@ def create_app(supervisor_address: str) -> FastAPI:
     async def _cancelled(_: Request, error: LaunchCancelled) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=409)
 
-    @app.exception_handler(ServiceUnavailable)
-    async def _unavailable(_: Request, error: ServiceUnavailable) -> JSONResponse:
+    async def _unavailable(_: Request, error: Exception) -> JSONResponse:
         # A replica died under the request, or none can serve: the model's other
         # replicas (if any) keep serving, so the client may retry.
         message = str(error)
@@ -146,6 +153,9 @@ def create_app(supervisor_address: str) -> FastAPI:
             "error": {"message": message, "type": "server_error", "code": 503},
         }
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+    app.add_exception_handler(ServiceUnavailable, _unavailable)
+    app.add_exception_handler(ReplicaUnavailable, _unavailable)
 
     @app.exception_handler(LookupError)
     async def _not_found(_: Request, error: LookupError) -> JSONResponse:
@@ -159,6 +169,15 @@ def create_app(supervisor_address: str) -> FastAPI:
     @app.get("/status")
     async def status() -> dict[str, Any]:
         return {"ok": True}
+
+    @app.get("/v1/address")
+    async def address() -> dict[str, Any]:
+        return {"address": supervisor_address}
+
+    @app.get("/v1/workers")
+    async def workers() -> list[dict[str, Any]]:
+        models = await hub()
+        return list(await models.supervisor.list_workers())
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -199,6 +218,7 @@ def create_app(supervisor_address: str) -> FastAPI:
                 entry |= _upstream_description(deployment)
                 entry["xavier"] = deployment.xavier_description
                 entry["router"] = deployment.router.kind
+                entry["replicas"] = _replica_states(deployment)
             data.append(entry)
         return {"object": "list", "data": data}
 
@@ -508,7 +528,32 @@ def _deployment_json(deployment: DeploymentInfo) -> dict[str, Any]:
             | {"state": deployment.replica_state(replica.rank)}
             for replica in deployment.replicas
         ],
+        "gone": {str(rank): why for rank, why in deployment.gone.items()},
     }
+
+
+def _replica_states(deployment: DeploymentInfo) -> list[dict[str, Any]]:
+    """Where each replica runs and whether it serves (``xinference list``)."""
+    return [
+        {
+            "rank": replica.rank,
+            "worker": replica.worker,
+            "address": replica.address,
+            "state": (
+                "gone"
+                if replica.rank in deployment.gone
+                else (
+                    "unresponsive"
+                    if replica.rank in deployment.unresponsive
+                    else "ready"
+                )
+            ),
+            "reason": deployment.gone.get(
+                replica.rank, deployment.unresponsive.get(replica.rank)
+            ),
+        }
+        for replica in deployment.replicas
+    ]
 
 
 def _report_json(report: Any) -> dict[str, Any]:

@@ -1,12 +1,5 @@
 """Request dispatch over a model's replicas, in the front-end process.
 
-Replicas the supervisor reports gone or unresponsive (``ReplicaStates``, asked at
-most every ``STATES_REFRESH_S`` and at once after a replica failed a request) get
-no requests; a replica that failed a request is also avoided locally for
-``SUSPECT_S``. A non-streamed request, or a streamed one before its first chunk,
-whose replica failed is sent once more to another replica; otherwise the failure
-reaches the client as ``ReplicaFailed`` (503).
-
 The dispatcher holds the deployment's prompt renderer (the front end tokenises once,
 before routing), asks the router for a replica (for the cache-aware router, after
 asking the block tracker who holds the longest prefix), counts the request in flight
@@ -20,12 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import xoscar as xo
-from xoscar.errors import ServerClosed
 
 from ..model.llm.vllm.xavier.hashing import hash_full_blocks
 from ..model.llm.vllm.xavier.stats import LatencyRecorder
@@ -35,7 +27,6 @@ from .messages import (
     GenerationRequest,
     ReplicaFailed,
     ReplicaStates,
-    ServiceUnavailable,
 )
 from .prompting import PromptRenderer
 from .router import RouteFacts, Router, make_router
@@ -49,15 +40,20 @@ STREAM_POLL_S = 0.5
 RPC_MARGIN_S = 10.0
 REQUEST_TIMEOUT_S = 600.0
 TRACKER_TIMEOUT_S = 2.0
-STATES_REFRESH_S = 1.0
-STATES_TIMEOUT_S = 2.0
-SUSPECT_S = 5.0
+# A replica that refused a connection is skipped for this long, or until the
+# supervisor's verdict arrives (``update_gone``), whichever comes first.
+SUSPECT_S = 10.0
+# What a call to a replica whose process or host went away raises.
+_UNREACHABLE = (ConnectionError, xo.errors.ServerClosed, xo.ActorNotExist)
 
-# A call to a replica failing with one of these: its actor or process is not there.
-_UNREACHABLE = (ServerClosed, xo.ActorNotExist, ConnectionError)
+
+class ReplicaUnavailable(RuntimeError):
+    """The chosen replica (or every replica) cannot serve: gone or unreachable."""
+
 
 T = TypeVar("T")
-StatesSource = Callable[[], Awaitable[ReplicaStates]]
+# What a request's replica failing looks like here: it is sent once to another.
+_FAILED = (ReplicaUnavailable, ReplicaFailed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +116,6 @@ class ReplicaDispatcher:
         replicas: Sequence[Any],
         tracker: Any | None,
         router: Router,
-        states: StatesSource | None = None,
     ) -> None:
         self.deployment = deployment
         self.renderer = renderer
@@ -131,20 +126,51 @@ class ReplicaDispatcher:
         self.counters = [RouteCounters() for _ in self._replicas]
         self.latency = [ReplicaLatency() for _ in self._replicas]
         self.tracker_errors = 0
-        self.replica_failures = 0  # requests a replica failed (retried or not)
+        # rank -> why the supervisor took it out of service
+        self.gone: dict[int, str] = dict(deployment.gone)
+        self.gone_checked = time.monotonic()
+        self._suspect: dict[int, float] = {}  # rank -> when a call to it failed
+        # set when the supervisor declares the rank gone: ends the requests waiting
+        # on it (a replica cut off by the network would otherwise hold them until
+        # REQUEST_TIMEOUT_S)
+        self._gone_events: dict[int, asyncio.Event] = {}
+        # rank -> why it missed its last health probe (the supervisor's liveness
+        # monitor): no requests until it answers, unless no other replica can
+        self.unresponsive: dict[int, str] = dict(deployment.unresponsive)
+        self.replica_failures = 0  # requests a replica failed (re-sent or not)
         self.retries = 0  # of those, sent again to another replica
-        self._states_source = states
-        self._states = ReplicaStates(
-            gone=dict(deployment.gone), unresponsive=dict(deployment.unresponsive)
-        )
-        self._states_at = time.monotonic()
-        self._states_task: asyncio.Task[ReplicaStates] | None = None
-        self._suspect_until: dict[int, float] = {}  # rank -> monotonic time
+
+    def update_states(self, states: ReplicaStates) -> None:
+        """The supervisor's current gone and unresponsive replicas."""
+        self.unresponsive = dict(states.unresponsive)
+        self.update_gone(states.gone)
+
+    def update_gone(self, gone: dict[int, str]) -> None:
+        """The supervisor's current list of gone replicas."""
+        self.gone = dict(gone)
+        self.gone_checked = time.monotonic()
+        for rank in gone:
+            self._gone_event(rank).set()
+        for rank in gone:
+            self._suspect.pop(rank, None)
+
+    def live_ranks(self, exclude: int | None = None) -> list[int]:
+        """Replicas a request may go to: not gone, not suspected after a failure,
+        not unresponsive (unless every other one is: better to wait on a slow
+        replica than to refuse)."""
+        now = time.monotonic()
+        live = [
+            rank
+            for rank in range(len(self._replicas))
+            if rank not in self.gone
+            and rank != exclude
+            and now - self._suspect.get(rank, -SUSPECT_S) >= SUSPECT_S
+        ]
+        answering = [rank for rank in live if rank not in self.unresponsive]
+        return answering or live
 
     @classmethod
-    async def connect(
-        cls, deployment: DeploymentInfo, states: StatesSource | None = None
-    ) -> ReplicaDispatcher:
+    async def connect(cls, deployment: DeploymentInfo) -> ReplicaDispatcher:
         renderer = await asyncio.to_thread(PromptRenderer.load, deployment.model_path)
         replicas = [
             await xo.actor_ref(address=replica.address, uid=replica.actor_uid)
@@ -156,91 +182,48 @@ class ReplicaDispatcher:
                 address=deployment.tracker_address, uid=deployment.tracker_uid
             )
         router = make_router(deployment.router.kind, deployment.router.busy_margin)
-        return cls(deployment, renderer, replicas, tracker, router, states)
+        return cls(deployment, renderer, replicas, tracker, router)
 
     @property
     def in_flight(self) -> tuple[int, ...]:
         return tuple(self._in_flight)
 
-    @property
-    def states(self) -> ReplicaStates:
-        """The supervisor's last word on which replicas are gone or unresponsive."""
-        return self._states
-
-    async def refresh_states(self, *, force: bool = False) -> None:
-        """Ask the supervisor which replicas are gone or unresponsive (at most every
-        ``STATES_REFRESH_S`` unless ``force``; one question at a time; a failed or
-        late answer keeps what was known)."""
-        if self._states_source is None:
-            return
-        if not force and time.monotonic() - self._states_at < STATES_REFRESH_S:
-            return
-        if self._states_task is None or self._states_task.done():
-            self._states_task = asyncio.ensure_future(self._states_source())
-        try:
-            self._states = await asyncio.wait_for(
-                asyncio.shield(self._states_task), STATES_TIMEOUT_S
-            )
-        except Exception as error:
-            logger.warning("could not refresh replica states: %r", error)
-        self._states_at = time.monotonic()
-
-    def available(self, exclude: int | None = None) -> tuple[bool, ...]:
-        """Which replicas may get a request: not gone, not unresponsive and not
-        suspected after a failure. When that leaves none, the ones that are not
-        gone (better to wait on a slow replica than to refuse)."""
-        now = time.monotonic()
-        gone = self._states.gone
-        alive = [
-            rank not in gone and rank != exclude for rank in range(len(self._replicas))
-        ]
-        serving = [
-            ok
-            and rank not in self._states.unresponsive
-            and self._suspect_until.get(rank, 0.0) <= now
-            for rank, ok in enumerate(alive)
-        ]
-        if any(serving):
-            return tuple(serving)
-        if any(alive):
-            return tuple(alive)
-        reasons = "; ".join(f"replica {r}: {why}" for r, why in sorted(gone.items()))
-        raise ServiceUnavailable(
-            f"no replica of {self.deployment.model_uid!r} can serve"
-            + (f" ({reasons})" if reasons else "")
-        )
-
     async def route(self, prompt_token_ids: Sequence[int]) -> Route:
-        await self.refresh_states()
         holder, blocks = None, 0
         if self._router.needs_prefix:
             holder, blocks = await self._longest_prefix(prompt_token_ids)
-        return self._choose(holder, blocks, self.available())
+        return self._choose(holder, blocks, self.live_ranks())
 
-    async def _reroute(self, failed: ReplicaFailed, route: Route) -> Route | None:
-        """After ``route``'s replica failed: another replica for the same request,
-        or None when there is none."""
+    async def _reroute(self, failed: Exception, route: Route) -> Route | None:
+        """After ``route``'s replica failed a request before any output went out:
+        another replica for it, or None when there is none."""
         self.replica_failures += 1
-        self._suspect_until[route.rank] = time.monotonic() + SUSPECT_S
-        await self.refresh_states(force=True)
-        try:
-            available = self.available(exclude=route.rank)
-        except ServiceUnavailable:
+        self._suspect[route.rank] = time.monotonic()
+        live = self.live_ranks(exclude=route.rank)
+        if not live:
             return None
         self.retries += 1
         logger.warning("%s; sending the request to another replica", failed)
-        return self._choose(route.holder, route.prefix_blocks, available)
+        return self._choose(route.holder, route.prefix_blocks, live)
 
-    def _choose(
-        self, holder: int | None, blocks: int, available: tuple[bool, ...]
-    ) -> Route:
+    def _choose(self, holder: int | None, blocks: int, live: list[int]) -> Route:
+        if not live:
+            reasons = "; ".join(
+                f"replica {rank}: {why}" for rank, why in sorted(self.gone.items())
+            )
+            raise ReplicaUnavailable(
+                f"no replica of {self.deployment.model_uid} can serve"
+                + (f" ({reasons})" if reasons else "")
+            )
+        if holder is not None and holder not in live:
+            holder, blocks = None, 0
+        # The router sees the live replicas only (positions in ``live``).
         facts = RouteFacts(
-            in_flight=tuple(self._in_flight),
-            holder=holder,
+            in_flight=tuple(self._in_flight[rank] for rank in live),
+            holder=None if holder is None else live.index(holder),
             prefix_blocks=blocks,
-            available=available,
         )
-        rank = self._router.choose(facts)
+        rank = live[self._router.choose(facts)]
         counters = self.counters[rank]
         counters.routed += 1
         if holder is not None and blocks > 0:
@@ -253,15 +236,13 @@ class ReplicaDispatcher:
     async def generate(
         self, route: Route, request: GenerationRequest
     ) -> GenerationChunk:
-        """The whole output from ``route``'s replica (no retry)."""
         started = time.monotonic()
-        with self._counted(route.rank):
-            try:
-                chunk = await _bounded(
-                    self._replicas[route.rank].generate(request), REQUEST_TIMEOUT_S
-                )
-            except _UNREACHABLE as error:
-                raise ReplicaFailed(route.rank, _unreachable(error)) from None
+        with self._counted(route.rank), self._reachable(route.rank):
+            chunk = await self._unless_gone(
+                route.rank,
+                self._replicas[route.rank].generate(request),
+                REQUEST_TIMEOUT_S,
+            )
         self.latency[route.rank].end_to_end.record(time.monotonic() - started)
         return chunk
 
@@ -273,11 +254,29 @@ class ReplicaDispatcher:
         yet, so the request can start over)."""
         try:
             return await self.generate(route, request), route.rank
-        except ReplicaFailed as failed:
+        except _FAILED as failed:
             retry = await self._reroute(failed, route)
             if retry is None:
                 raise
         return await self.generate(retry, request), retry.rank
+
+    async def stream_served(
+        self, route: Route, request: GenerationRequest
+    ) -> AsyncIterator[tuple[GenerationChunk, int]]:
+        """``stream``, sent once more to another replica if ``route``'s failed
+        before its first chunk; each chunk with the rank that produced it."""
+        produced = False
+        try:
+            async for chunk in self.stream(route, request):
+                produced = True
+                yield chunk, route.rank
+            return
+        except _FAILED as failed:
+            retry = None if produced else await self._reroute(failed, route)
+            if retry is None:
+                raise
+        async for chunk in self.stream(retry, request):
+            yield chunk, retry.rank
 
     async def stream(
         self, route: Route, request: GenerationRequest
@@ -289,11 +288,8 @@ class ReplicaDispatcher:
         started = loop.time()
         deadline = started + REQUEST_TIMEOUT_S
         latency, first_token = self.latency[route.rank], True
-        with self._counted(route.rank):
-            try:
-                await _bounded(replica.open_stream(request), RPC_MARGIN_S)
-            except _UNREACHABLE as error:
-                raise ReplicaFailed(route.rank, _unreachable(error)) from None
+        with self._counted(route.rank), self._reachable(route.rank):
+            await _bounded(replica.open_stream(request), RPC_MARGIN_S)
             done = False
             try:
                 while not done:
@@ -307,8 +303,6 @@ class ReplicaDispatcher:
                             replica.next_chunks(request.request_id, STREAM_POLL_S),
                             STREAM_POLL_S + RPC_MARGIN_S,
                         )
-                    except _UNREACHABLE as error:
-                        raise ReplicaFailed(route.rank, _unreachable(error)) from None
                     except TimeoutError:
                         raise ReplicaFailed(
                             route.rank,
@@ -328,24 +322,6 @@ class ReplicaDispatcher:
                     await asyncio.shield(
                         self._close_stream(replica, request.request_id)
                     )
-
-    async def stream_served(
-        self, route: Route, request: GenerationRequest
-    ) -> AsyncIterator[tuple[GenerationChunk, int]]:
-        """``stream``, sent once more to another replica if ``route``'s failed
-        before its first chunk; each chunk with the rank that produced it."""
-        produced = False
-        try:
-            async for chunk in self.stream(route, request):
-                produced = True
-                yield chunk, route.rank
-            return
-        except ReplicaFailed as failed:
-            retry = None if produced else await self._reroute(failed, route)
-            if retry is None:
-                raise
-        async for chunk in self.stream(retry, request):
-            yield chunk, retry.rank
 
     async def _close_stream(self, replica: Any, request_id: str) -> None:
         try:
@@ -386,6 +362,47 @@ class ReplicaDispatcher:
             return None, 0
         return hit.rank, hit.num_blocks
 
+    def _gone_event(self, rank: int) -> asyncio.Event:
+        return self._gone_events.setdefault(rank, asyncio.Event())
+
+    async def _unless_gone(self, rank: int, call: Any, timeout: float) -> Any:
+        """Await ``call`` (deadline ``timeout``), unless the replica is declared
+        gone first: then the call is cancelled and the request fails with why."""
+        gone = self._gone_event(rank)
+        task = asyncio.ensure_future(call)
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+        if task in done:
+            return task.result()
+        if gone.is_set():
+            raise ReplicaUnavailable(
+                f"replica {rank} of {self.deployment.model_uid} was taken out of "
+                f"service while serving this request: {self.gone.get(rank, 'gone')}"
+            )
+        raise TimeoutError(f"replica {rank} did not answer in {timeout:.0f} s")
+
+    @contextlib.contextmanager
+    def _reachable(self, rank: int) -> Any:
+        """A replica whose process or host went away fails the request at once,
+        with a clear error, and is skipped by the next routes."""
+        try:
+            yield
+        except _UNREACHABLE as error:
+            self._suspect[rank] = time.monotonic()
+            address = self.deployment.replicas[rank].address
+            raise ReplicaUnavailable(
+                f"replica {rank} of {self.deployment.model_uid} at {address} is "
+                f"unreachable ({type(error).__name__}: {error}); later requests go "
+                "to the other replicas"
+            ) from error
+
     @contextlib.contextmanager
     def _counted(self, rank: int) -> Any:
         self._in_flight[rank] += 1
@@ -393,10 +410,6 @@ class ReplicaDispatcher:
             yield
         finally:
             self._in_flight[rank] -= 1
-
-
-def _unreachable(error: BaseException) -> str:
-    return f"its process or actor is unreachable ({type(error).__name__}: {error})"
 
 
 async def _bounded(call: Awaitable[T], timeout: float) -> T:

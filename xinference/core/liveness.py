@@ -3,7 +3,7 @@
 One ``LivenessMonitor`` per ready deployment, in the supervisor's process. Every
 ``interval_s`` it asks
 
-1. the worker whether each replica's sub-pool process still runs
+1. each replica's worker whether its sub-pool process still runs
    (``WorkerActor.replica_health``: the process's exit status), and
 2. each replica's model actor for its own account (``ReplicaModelActor.health``:
    vLLM notices at once that its engine-core process died), under ``probe_s``.
@@ -84,16 +84,29 @@ class LivenessMonitor:
             return
         dead: dict[int, str] = {}
         addresses = {rank: record.addresses[rank] for rank in ranks}
-        try:
-            health = await xo.wait_for(
-                record.worker.replica_health(list(addresses.values())), self._probe_s
+        # Each worker is asked about the sub-pools it runs (a lost worker is the
+        # heartbeat's to report: core/heartbeat.py).
+        by_worker: dict[str, tuple[Any, list[str]]] = {}
+        for rank in ranks:
+            worker = record.workers[rank]
+            by_worker.setdefault(worker.address, (worker, []))[1].append(
+                addresses[rank]
             )
-            self._worker_failed = False
-        except Exception as error:  # the worker itself: not a replica's fault
-            if not self._worker_failed:
-                logger.warning("%s: worker health check failed: %r", uid, error)
-            self._worker_failed = True
-            health = {}
+        answers = await asyncio.gather(
+            *(
+                xo.wait_for(worker.replica_health(owned), self._probe_s)
+                for worker, owned in by_worker.values()
+            ),
+            return_exceptions=True,
+        )
+        health: dict[str, str | None] = {}
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        for answer in answers:
+            if not isinstance(answer, BaseException):
+                health.update(answer)
+        if failed and not self._worker_failed:  # not a replica's fault
+            logger.warning("%s: worker health check failed: %r", uid, failed[0])
+        self._worker_failed = bool(failed)
         for rank, address in addresses.items():
             reason = health.get(address)
             if reason is not None:
@@ -146,7 +159,7 @@ class LivenessMonitor:
             return
         try:
             killed: Any = await xo.wait_for(
-                record.worker.remove_replica(address), RETIRE_TIMEOUT_S
+                record.workers[rank].remove_replica(address), RETIRE_TIMEOUT_S
             )
         except Exception as error:
             logger.warning(

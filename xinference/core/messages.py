@@ -39,6 +39,7 @@ class ReplicaInfo:
     block_size: int
     load_seconds: float
     hash_namespace: str | None = None  # Xavier's block-hash namespace (None: off)
+    worker: str = ""  # the address of the worker whose host runs it
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +80,10 @@ class DeploymentInfo:
     created: float = 0.0
     model_name: str = ""  # the registry name, or the model directory's name
     quantization: str | None = None  # as given to vLLM, None: the checkpoint's own
-    # (rank, reason) of replicas that died (for good) or miss health probes (for now)
-    gone: tuple[tuple[int, str], ...] = ()
-    unresponsive: tuple[tuple[int, str], ...] = ()
+    # rank -> why the replica is out of service: gone for good (its worker was
+    # lost, its engine or process died) or, for now, missing health probes
+    gone: dict[int, str] = field(default_factory=dict)
+    unresponsive: dict[int, str] = field(default_factory=dict)
 
     @property
     def block_size(self) -> int:
@@ -89,12 +91,10 @@ class DeploymentInfo:
 
     def replica_state(self, rank: int) -> str:
         """ "serving", "unresponsive: <why>" or "gone: <why>"."""
-        for found, reason in self.gone:
-            if found == rank:
-                return f"gone: {reason}"
-        for found, reason in self.unresponsive:
-            if found == rank:
-                return f"unresponsive: {reason}"
+        if rank in self.gone:
+            return f"gone: {self.gone[rank]}"
+        if rank in self.unresponsive:
+            return f"unresponsive: {self.unresponsive[rank]}"
         return "serving"
 
 

@@ -30,6 +30,7 @@ import xoscar as xo
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
 from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
+from .heartbeat import HeartbeatSettings, WorkerLiveness, watch_workers
 from .liveness import LivenessMonitor
 from .messages import (
     DeploymentInfo,
@@ -77,7 +78,7 @@ class _Deployment:
     created: float = field(default_factory=time.time)
     state: str = "launching"
     detail: str = "validating"
-    worker: Any = None
+    workers: dict[int, Any] = field(default_factory=dict)  # rank -> worker ref
     tracker: Any = None
     addresses: dict[int, str] = field(default_factory=dict)  # rank -> sub-pool
     replicas: dict[int, ReplicaInfo] = field(default_factory=dict)  # rank -> loaded
@@ -85,11 +86,14 @@ class _Deployment:
     model_path: str = ""
     ucx: str = ""  # the UCX transports the replicas may use (placement's account)
     task: asyncio.Task[DeploymentInfo] | None = None  # the launch, while it runs
-    # rank -> why it is gone for good (engine or process died; worker lost)
+    # rank -> why it is gone for good (worker lost; engine or process died)
     gone: dict[int, str] = field(default_factory=dict)
     # rank -> why it gets no requests for now (missed its last health probe)
     unresponsive: dict[int, str] = field(default_factory=dict)
-    monitor: asyncio.Task[None] | None = None  # liveness, while ready
+    monitor: asyncio.Task[None] | None = None  # replica liveness, while ready
+
+    def live_ranks(self, ranks: Iterable[int]) -> list[int]:
+        return sorted(rank for rank in ranks if rank not in self.gone)
 
     def progress(self) -> LaunchProgress:
         state, detail = self.state, self.detail
@@ -106,7 +110,7 @@ class _Deployment:
         return LaunchProgress(
             model_uid=self.spec.model_uid,
             state=state,
-            replicas_ready=len([r for r in self.replicas if r not in self.gone])
+            replicas_ready=len(self.live_ranks(self.replicas))
             - len([r for r in self.unresponsive if r not in self.gone]),
             replicas_total=self.spec.replica,
             detail=detail,
@@ -117,18 +121,129 @@ class _Deployment:
 class SupervisorActor(xo.StatelessActor):
     """One per cluster. Also hosts each Xavier model's block tracker."""
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat: HeartbeatSettings | None = None) -> None:
         super().__init__()
-        self._workers: dict[str, Any] = {}  # worker address -> ref
+        self._workers: dict[str, Any] = {}  # worker address -> ref (live ones)
         self._models: dict[str, _Deployment] = {}  # model uid -> record
+        self._liveness = WorkerLiveness(heartbeat or HeartbeatSettings.from_env())
+        self._watch: asyncio.Task[None] | None = None
 
     @classmethod
     def default_uid(cls) -> str:
         return "supervisor"
 
-    async def register_worker(self, address: str, uid: str | bytes) -> None:
+    async def __post_create__(self) -> None:
+        self._watch = asyncio.create_task(
+            watch_workers(self._liveness, self._worker_gone)
+        )
+
+    async def __pre_destroy__(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def register_worker(self, address: str, uid: str | bytes) -> list[str]:
+        """Add a worker (or take back one that was declared gone); the sub-pool
+        addresses of the replicas it hosts that still serve (a worker registering
+        again removes any other sub-pool it has: after a network cut its replicas
+        were declared gone). A worker in this supervisor's own process
+        (``xinference-local``) is not watched."""
         self._workers[address] = await xo.actor_ref(address=address, uid=uid)
-        logger.info("worker registered at %s", address)
+        if address != self.address:
+            self._liveness.register(address, time.monotonic())
+        logger.info(
+            "worker registered at %s%s",
+            address,
+            (
+                ""
+                if address == self.address
+                else f" ({self._liveness.settings.describe()})"
+            ),
+        )
+        return [
+            record.addresses[rank]
+            for record in self._models.values()
+            for rank, worker in record.workers.items()
+            if rank not in record.gone
+            and worker.address == address
+            and rank in record.addresses
+        ]
+
+    async def worker_heartbeat(self, address: str) -> bool:
+        """A worker is alive; False: not registered here, it must register again."""
+        return self._liveness.beat(address, time.monotonic())
+
+    async def unregister_worker(self, address: str) -> None:
+        """A worker leaving on purpose (its process stops)."""
+        await self._worker_gone(address, f"worker {address} stopped")
+
+    async def list_workers(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {
+                "address": address,
+                "host": _host(address),
+                "silent_for_s": self._liveness.silent_for(address, now),
+                "replicas": sorted(
+                    (uid, rank)
+                    for uid, record in self._models.items()
+                    for rank, worker in record.workers.items()
+                    if worker.address == address and rank not in record.gone
+                ),
+            }
+            for address in self._workers
+        ]
+
+    async def _worker_gone(self, address: str, reason: str) -> None:
+        self._liveness.forget(address)
+        if self._workers.pop(address, None) is None:
+            return
+        logger.warning("%s: its replicas are gone", reason)
+        for record in list(self._models.values()):
+            ranks = [
+                rank
+                for rank, worker in record.workers.items()
+                if worker.address == address
+            ]
+            if not ranks:
+                continue
+            await self._mark_replicas_gone(record, ranks, reason)
+            if record.state == "launching" and record.task is not None:
+                record.detail = f"cancelled: {reason}"
+                record.task.cancel()
+
+    async def _mark_replicas_gone(
+        self, record: _Deployment, ranks: Iterable[int], reason: str
+    ) -> None:
+        """Take replicas out of service: remember why, and have the block tracker
+        forget what they held (a tracker that is gone itself is no obstacle)."""
+        new = [rank for rank in ranks if rank not in record.gone]
+        if not new:
+            return
+        for rank in new:
+            record.gone[rank] = reason
+            record.unresponsive.pop(rank, None)
+        if record.tracker is not None:
+            for rank in new:
+                try:
+                    await _deadline(record.tracker.forget_replica(rank), RPC_TIMEOUT_S)
+                except Exception as error:
+                    logger.warning(
+                        "%s: the tracker could not forget replica %d: %r",
+                        record.spec.model_uid,
+                        rank,
+                        error,
+                    )
+        logger.warning(
+            "%s: replica(s) %s gone (%s); %d of %d serve",
+            record.spec.model_uid,
+            ", ".join(map(str, new)),
+            reason,
+            len(record.live_ranks(range(record.spec.replica))),
+            record.spec.replica,
+        )
+
+    async def gone_replicas(self, model_uid: str) -> dict[int, str]:
+        return dict(self._record(model_uid).gone)
 
     # ---- launch -------------------------------------------------------------------
 
@@ -172,21 +287,27 @@ class SupervisorActor(xo.StatelessActor):
             raise LaunchOptionError(f"model {uid!r} is already launched")
         if not self._workers:
             raise RuntimeError("no worker is registered with the supervisor")
-        self._pick_worker(spec.worker_ip)  # refuse an unknown worker_ip up front
+        self._assign_workers(spec)  # refuse an unknown worker_ip up front
         record = _Deployment(spec)
         self._models[uid] = record
         return record
 
-    def _pick_worker(self, worker_ip: str | None) -> Any:
-        if worker_ip is None:
-            return next(iter(self._workers.values()))
-        for address, ref in self._workers.items():
-            if _host(address) == worker_ip:
-                return ref
-        known = ", ".join(sorted({_host(address) for address in self._workers}))
-        raise LaunchOptionError(
-            f"no worker at worker_ip {worker_ip!r}; workers are at: {known}"
-        )
+    def _assign_workers(self, spec: LaunchSpec) -> list[Any]:
+        """Rank -> worker ref: round-robin over the live workers (in registration
+        order), or over those at ``worker_ip``."""
+        if not self._workers:
+            raise RuntimeError("no worker is registered with the supervisor")
+        candidates = [
+            ref
+            for address, ref in self._workers.items()
+            if spec.worker_ip is None or _host(address) == spec.worker_ip
+        ]
+        if not candidates:
+            known = ", ".join(sorted({_host(address) for address in self._workers}))
+            raise LaunchOptionError(
+                f"no worker at worker_ip {spec.worker_ip!r}; workers are at: {known}"
+            )
+        return [candidates[rank % len(candidates)] for rank in range(spec.replica)]
 
     async def _run_launch(self, record: _Deployment) -> DeploymentInfo:
         spec = record.spec
@@ -242,23 +363,19 @@ class SupervisorActor(xo.StatelessActor):
             )
         else:
             record.model_path = spec.model_path
-        record.worker = self._pick_worker(spec.worker_ip)
+        record.workers = dict(enumerate(self._assign_workers(spec)))
         if spec.xavier.enabled:
             record.detail = "creating the block tracker"
             record.tracker = await xo.create_actor(
                 BlockTrackerActor, address=self.address, uid=tracker_uid(uid)
             )
-        placements = await _deadline(
-            record.worker.plan(spec.replica, spec.xavier.enabled, spec.gpu_idx),
-            RPC_TIMEOUT_S,
-        )
+        placements = await self._plan(record)
         record.detail = f"starting {spec.replica} replica sub-pool(s)"
-        record.ucx = placements[0].ucx if placements else ""
 
         async def start_pool(rank: int) -> None:
             call = asyncio.ensure_future(
                 _deadline(
-                    record.worker.start_replica_pool(placements[rank]),
+                    record.workers[rank].start_replica_pool(placements[rank]),
                     POOL_START_TIMEOUT_S,
                 )
             )
@@ -297,9 +414,11 @@ class SupervisorActor(xo.StatelessActor):
                 engine=engine,
                 xavier=self._xavier_settings(spec, rank, address),
             )
+            worker = record.workers[rank]
             info = await _deadline(
-                record.worker.load_replica(address, replica_spec), LOAD_TIMEOUT_S
+                worker.load_replica(address, replica_spec), LOAD_TIMEOUT_S
             )
+            info = dataclasses.replace(info, worker=worker.address)
             record.models[rank] = await xo.actor_ref(
                 address=address, uid=model_actor_uid(uid, rank)
             )
@@ -337,6 +456,37 @@ class SupervisorActor(xo.StatelessActor):
                 for rank in range(spec.replica)
             )
 
+    async def _plan(self, record: _Deployment) -> list[Any]:
+        """Each worker plans its share of the ranks (its GPUs, its environment);
+        the placements come back renumbered with the deployment's ranks."""
+        spec = record.spec
+        shares: dict[str, list[int]] = {}
+        for rank, worker in record.workers.items():
+            shares.setdefault(worker.address, []).append(rank)
+        plans = await _all(
+            _deadline(
+                record.workers[ranks[0]].plan(
+                    len(ranks), spec.xavier.enabled, spec.gpu_idx
+                ),
+                RPC_TIMEOUT_S,
+            )
+            for ranks in shares.values()
+        )
+        placements: list[Any] = [None] * spec.replica
+        accounts: dict[str, list[str]] = {}
+        for (address, ranks), plan in zip(shares.items(), plans, strict=True):
+            for rank, placement in zip(ranks, plan, strict=True):
+                placements[rank] = dataclasses.replace(placement, rank=rank)
+            if plan and plan[0].ucx:
+                accounts.setdefault(plan[0].ucx, []).append(_host(address))
+        if len(accounts) == 1 or len(shares) == 1:
+            record.ucx = next(iter(accounts), "")
+        else:  # the workers differ (a GPU host and a CPU host, say): name them
+            record.ucx = "; ".join(
+                f"{', '.join(hosts)}: {ucx}" for ucx, hosts in accounts.items()
+            )
+        return placements
+
     def _xavier_settings(
         self, spec: LaunchSpec, rank: int, address: str
     ) -> XavierReplicaSettings | None:
@@ -366,43 +516,6 @@ class SupervisorActor(xo.StatelessActor):
             )
 
     # ---- replica failures ---------------------------------------------------------
-
-    async def _mark_replicas_gone(
-        self, record: _Deployment, ranks: Iterable[int], reason: str
-    ) -> None:
-        """Replicas ``ranks`` of ``record`` died (their engine, their process or
-        their worker): record why, make the block tracker forget them (nobody is
-        sent there for a prefix again; a tracker that is gone is ignored) and log
-        once. The front end stops routing to them (``replica_states``)."""
-        new = sorted({rank for rank in ranks if rank not in record.gone})
-        if not new:
-            return
-        uid = record.spec.model_uid
-        for rank in new:
-            record.gone[rank] = reason
-            record.unresponsive.pop(rank, None)
-        logger.error(
-            "%s replica(s) %s gone: %s; %d of %d still serve",
-            uid,
-            ", ".join(map(str, new)),
-            reason,
-            len([r for r in record.replicas if r not in record.gone]),
-            record.spec.replica,
-        )
-        if record.tracker is None:
-            return
-        for rank in new:
-            try:
-                await _deadline(
-                    record.tracker.forget_replica(rank), TRACKER_FORGET_TIMEOUT_S
-                )
-            except Exception as error:  # the tracker went too (e.g. terminating)
-                logger.warning(
-                    "%s: the block tracker could not forget replica %d: %r",
-                    uid,
-                    rank,
-                    error,
-                )
 
     async def replica_states(self, model_uid: str) -> ReplicaStates:
         """Which replicas must get no requests now (the front end asks often)."""
@@ -494,18 +607,17 @@ class SupervisorActor(xo.StatelessActor):
                     results[rank] = outcome
             return results
 
-        # A gone replica's actors may not exist any more: only its sub-pool (if
-        # the liveness monitor has not removed it yet) is taken down.
-        live = {
+        # A gone replica's process is unreachable (or dead): nothing to ask it.
+        models = {
             rank: ref for rank, ref in record.models.items() if rank not in record.gone
         }
         await step(
             "engine shutdown",
-            {rank: ref.shutdown_engine() for rank, ref in live.items()},
+            {rank: ref.shutdown_engine() for rank, ref in models.items()},
         )
         finals = await step(
             "transfer actor close",
-            {rank: ref.close_transfer_actor() for rank, ref in live.items()},
+            {rank: ref.close_transfer_actor() for rank, ref in models.items()},
         )
         counters = {rank: stats for rank, stats in finals.items() if stats is not None}
         for rank in sorted(counters):
@@ -515,12 +627,13 @@ class SupervisorActor(xo.StatelessActor):
                 rank,
                 format_counters(counters[rank]),
             )
-        if record.worker is not None:
+        if record.workers:
             killed = await step(
                 "sub-pool removal",
                 {
-                    rank: record.worker.remove_replica(address)
+                    rank: record.workers[rank].remove_replica(address)
                     for rank, address in record.addresses.items()
+                    if rank not in record.gone
                 },
             )
             leftovers = [pid for pids in killed.values() for pid in pids]
@@ -551,6 +664,7 @@ class SupervisorActor(xo.StatelessActor):
             model_path=record.model_path,
             model_engine=spec.model_engine,
             replicas=tuple(record.replicas[rank] for rank in sorted(record.replicas)),
+            gone=dict(record.gone),
             router=spec.router,
             xavier_enabled=spec.xavier.enabled,
             xavier_description="; ".join(
@@ -562,8 +676,7 @@ class SupervisorActor(xo.StatelessActor):
             created=record.created,
             model_name=spec.model_name or Path(record.model_path).name,
             quantization=dict(spec.engine.extra).get("quantization"),
-            gone=tuple(sorted(record.gone.items())),
-            unresponsive=tuple(sorted(record.unresponsive.items())),
+            unresponsive=dict(record.unresponsive),
         )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import xoscar as xo
 
+from .heartbeat import HeartbeatSettings, beat_forever
 from .messages import ReplicaInfo, ReplicaSpec
 from .model import ReplicaModelActor, model_actor_uid
 from .options import LaunchOptionError
@@ -42,6 +43,7 @@ class WorkerActor(xo.StatelessActor):
         main_pool: Any,
         supervisor_address: str | None = None,
         gpus: Sequence[str] | None = None,
+        heartbeat: HeartbeatSettings | None = None,
     ) -> None:
         super().__init__()
         self._pool = main_pool
@@ -53,6 +55,10 @@ class WorkerActor(xo.StatelessActor):
         # that dies leaves its children (vLLM's engine core) to init, where
         # ``remove_replica`` could no longer find them
         self._spawned: dict[str, list[psutil.Process]] = {}
+        self._heartbeat_settings = heartbeat or HeartbeatSettings.from_env()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._supervisor: Any = None
+        self._cleanup: asyncio.Task[None] | None = None
 
     @classmethod
     def default_uid(cls) -> str:
@@ -64,10 +70,64 @@ class WorkerActor(xo.StatelessActor):
         if self._supervisor_address is not None:
             from .supervisor import SupervisorActor
 
-            supervisor = await xo.actor_ref(
+            self._supervisor = await xo.actor_ref(
                 address=self._supervisor_address, uid=SupervisorActor.default_uid()
             )
-            await supervisor.register_worker(self.address, self.uid)
+            await self._register()
+            if self._supervisor_address != self.address:
+                # A supervisor elsewhere learns that this worker lives by hearing
+                # from it (one in this process needs no telling).
+                self._heartbeat = asyncio.create_task(
+                    beat_forever(
+                        lambda: self._supervisor.worker_heartbeat(self.address),
+                        self._register,
+                        self._heartbeat_settings,
+                        f"worker {self.address}",
+                    )
+                )
+
+    async def _register(self) -> None:
+        live = set(await self._supervisor.register_worker(self.address, self.uid))
+        # Registering again (the supervisor restarted, or declared this worker gone
+        # during a network cut): replicas it does not count as serving are gone
+        # for good, so their sub-pools and engines go too.
+        stale = [address for address in self._sub_pools if address not in live]
+        if stale:
+            # in the background: a registration must not wait on pools stopping
+            self._cleanup = asyncio.create_task(self._remove_stale(stale))
+
+    async def _remove_stale(self, addresses: list[str]) -> None:
+        for address in addresses:
+            logger.warning(
+                "replica sub-pool %s is not served any more; removing it", address
+            )
+            try:
+                await self.remove_replica(address)
+            except Exception:
+                logger.exception("removing sub-pool %s failed", address)
+
+    async def __pre_destroy__(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+
+    async def leave(self) -> list[int]:
+        """Stop beating, tell the supervisor (its replicas here are gone), remove
+        every sub-pool; the pids that had to be killed."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._supervisor is not None and self._supervisor_address != self.address:
+            try:
+                await asyncio.wait_for(
+                    self._supervisor.unregister_worker(self.address),
+                    self._heartbeat_settings.timeout_s,
+                )
+            except Exception as error:  # it will notice the silence instead
+                logger.warning("could not tell the supervisor: %r", error)
+        killed: list[int] = []
+        for address in list(self._sub_pools):
+            killed += await self.remove_replica(address)
+        return killed
 
     async def gpus(self) -> tuple[str, ...]:
         return self._gpus or ()
@@ -100,6 +160,7 @@ class WorkerActor(xo.StatelessActor):
         address = await self._pool.append_sub_pool(
             external_address=f"{scheme}{host}:0",
             env=placement.env_dict() or None,
+            logging_conf=_sub_pool_logging(),
         )
         self._sub_pools[address] = self._pool.sub_processes[address].pid
         logger.info(
@@ -179,6 +240,32 @@ class WorkerActor(xo.StatelessActor):
 
     async def sub_pools(self) -> dict[str, int]:
         return dict(self._sub_pools)
+
+
+def _sub_pool_logging() -> dict[str, Any] | None:
+    """This process's root log level and format for a replica's sub-pool, so that
+    what the replica logs at INFO (the transfer actor's UCX report, each NIXL
+    peer's first READ) reaches the worker's log too; None when logging is not
+    configured here."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    formatter = root.handlers[0].formatter
+    fmt = formatter._fmt if formatter is not None else None
+    return {
+        "dict": {
+            "version": 1,
+            "disable_existing_loggers": False,
+            "formatters": {"plain": {"format": fmt or logging.BASIC_FORMAT}},
+            "handlers": {
+                "console": {"class": "logging.StreamHandler", "formatter": "plain"}
+            },
+            "root": {
+                "level": logging.getLevelName(root.level),
+                "handlers": ["console"],
+            },
+        }
+    }
 
 
 def detect_gpus() -> list[str]:

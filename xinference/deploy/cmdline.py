@@ -1,6 +1,8 @@
 """The command line, in Xinference's style.
 
     xinference-local [--host H] [--port P]          supervisor + worker + HTTP server
+    xinference-supervisor -H H -p P [--supervisor-port SP]     supervisor + HTTP server
+    xinference-worker -e http://H:P -H WORKER_HOST [--worker-port WP]   one per host
     xinference launch --model-engine vllm --model-path PATH --replica 2 \\
         --enable-xavier --xavier-gpu-cache-bytes 256MiB
     xinference launch --model-name tiny-qwen2 --replica 2 --enable-xavier
@@ -13,7 +15,7 @@ Upstream Xinference's option names and short flags work; further ``--key value``
 pairs set an option of that name or a vLLM engine argument. The client commands
 talk to ``-e/--endpoint``, given before or after the subcommand (default
 ``$XINFERENCE_ENDPOINT`` or http://127.0.0.1:9997). ``python -m xinference.deploy.cmdline`` is ``xinference``
-(``local`` is also a subcommand there).
+(``local``, ``supervisor`` and ``worker`` are also subcommands there).
 """
 
 from __future__ import annotations
@@ -80,6 +82,172 @@ async def _serve_local(host: str, port: int) -> None:
         await cluster.stop()
 
 
+# ---- xinference-supervisor and xinference-worker ---------------------------------
+
+log_level_option = click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+
+
+def _configure_logging(log_level: str) -> None:
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@click.command("supervisor")
+@click.option("--host", "-H", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port", "-p", default=9997, show_default=True, type=int, help="the REST API's"
+)
+@click.option(
+    "--supervisor-port",
+    default=0,
+    show_default=True,
+    type=int,
+    help="the supervisor's xoscar pool (0: any free port; workers ask the REST API)",
+)
+@click.option(
+    "--heartbeat-timeout",
+    default=None,
+    type=float,
+    help="seconds without a heartbeat before a worker is gone (default "
+    "$XINFERENCE_HEARTBEAT_TIMEOUT_S or 5)",
+)
+@log_level_option
+def supervisor(
+    host: str,
+    port: int,
+    supervisor_port: int,
+    heartbeat_timeout: float | None,
+    log_level: str,
+) -> None:
+    """Run the supervisor and the HTTP API; workers join with `xinference-worker`."""
+    _configure_logging(log_level)
+    asyncio.run(_serve_supervisor(host, port, supervisor_port, heartbeat_timeout))
+
+
+async def _serve_supervisor(
+    host: str, port: int, supervisor_port: int, heartbeat_timeout: float | None
+) -> None:
+    from ..core.heartbeat import HeartbeatSettings
+    from .cluster import start_supervisor
+
+    heartbeat = HeartbeatSettings.from_env(timeout_s=heartbeat_timeout)
+    node = await start_supervisor(host, port, supervisor_port, heartbeat=heartbeat)
+    stop = _stop_event()
+    click.echo(
+        f"Xinference serving at {node.endpoint} "
+        f"(supervisor {node.supervisor_address}; {heartbeat.describe()})"
+    )
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        click.echo("Shutting down: terminating models")
+        await node.stop()
+
+
+@click.command("worker")
+@click.option(
+    "--endpoint",
+    "-e",
+    default=None,
+    help="the supervisor's REST API, e.g. http://10.0.0.1:9997",
+)
+@click.option(
+    "--supervisor-address",
+    default=None,
+    help="the supervisor's xoscar address HOST:PORT (instead of asking -e)",
+)
+@click.option(
+    "--host", "-H", default="127.0.0.1", show_default=True, help="this host's address"
+)
+@click.option(
+    "--worker-port",
+    default=0,
+    show_default=True,
+    type=int,
+    help="this worker's xoscar pool (0: any free port)",
+)
+@click.option(
+    "--heartbeat-interval",
+    default=None,
+    type=float,
+    help="seconds between heartbeats (default $XINFERENCE_HEARTBEAT_INTERVAL_S or 1)",
+)
+@log_level_option
+def worker(
+    endpoint: str | None,
+    supervisor_address: str | None,
+    host: str,
+    worker_port: int,
+    heartbeat_interval: float | None,
+    log_level: str,
+) -> None:
+    """Run a worker on this host: it registers with the supervisor and hosts the
+    replicas placed on it."""
+    if endpoint is None and supervisor_address is None:
+        endpoint = os.environ.get("XINFERENCE_ENDPOINT")
+        if endpoint is None:
+            raise click.UsageError("give -e/--endpoint or --supervisor-address")
+    _configure_logging(log_level)
+    asyncio.run(
+        _serve_worker(
+            endpoint, supervisor_address, host, worker_port, heartbeat_interval
+        )
+    )
+
+
+async def _serve_worker(
+    endpoint: str | None,
+    supervisor_address: str | None,
+    host: str,
+    worker_port: int,
+    heartbeat_interval: float | None,
+) -> None:
+    from ..core.heartbeat import HeartbeatSettings
+    from .cluster import start_worker
+
+    heartbeat = HeartbeatSettings.from_env(interval_s=heartbeat_interval)
+    try:
+        node = await start_worker(
+            host,
+            endpoint=endpoint,
+            supervisor_address=supervisor_address,
+            worker_port=worker_port,
+            heartbeat=heartbeat,
+        )
+    except httpx.HTTPError as error:
+        raise click.ClickException(
+            f"cannot ask {endpoint} for the supervisor's address: {error!r}"
+        ) from None
+    stop = _stop_event()
+    click.echo(
+        f"Xinference worker at {node.address} (supervisor {node.supervisor_address})"
+    )
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        click.echo("Shutting down: leaving the cluster")
+        killed = await node.stop()
+        if killed:
+            click.echo(f"killed processes that outlived their pool: {killed}")
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
 # ---- xinference -------------------------------------------------------------------
 
 # Upstream puts -e on each subcommand; the group's -e (before the subcommand) also
@@ -114,6 +282,8 @@ def cli(ctx: click.Context, endpoint: str) -> None:
 
 
 cli.add_command(local)
+cli.add_command(supervisor)
+cli.add_command(worker)
 
 
 def _endpoint(ctx: click.Context, endpoint: str | None, api_key: str | None) -> str:
@@ -258,8 +428,9 @@ def launch(
     click.echo(deployment["xavier"])
     for replica in deployment["replicas"]:
         click.echo(
-            f"  replica {replica['rank']}: {replica['address']} pid {replica['pid']}, "
-            f"loaded in {replica['load_seconds']:.1f} s"
+            f"  replica {replica['rank']}: {replica['address']} pid {replica['pid']}"
+            + (f" on worker {replica['worker']}" if replica.get("worker") else "")
+            + f", loaded in {replica['load_seconds']:.1f} s"
         )
 
 
@@ -336,8 +507,14 @@ def list_models(ctx: click.Context, endpoint: str | None, api_key: str | None) -
             f"{model['id']:<24} {model['status']:<10} "
             f"{model['replicas_ready']}/{model['replica']:<7} {model.get('xavier', '')}"
         )
-        if model.get("detail"):  # a degraded model: which replicas and why
-            click.echo(f"  {model['detail']}")
+        for replica in model.get("replicas", []):
+            line = (
+                f"  replica {replica['rank']}: {replica['state']} on worker "
+                f"{replica['worker'] or '?'} ({replica['address']})"
+            )
+            if replica.get("reason"):
+                line += f": {replica['reason']}"
+            click.echo(line)
 
 
 @cli.command()

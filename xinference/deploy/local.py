@@ -29,7 +29,7 @@ SERVER_START_TIMEOUT_S = 30.0
 SERVER_STOP_TIMEOUT_S = 30.0
 
 
-class _EmbeddedServer(uvicorn.Server):
+class EmbeddedServer(uvicorn.Server):
     """uvicorn without its own signal handling: the process owner decides when to
     stop (uvicorn would re-raise a caught SIGTERM after serving, killing the process
     before the models are torn down)."""
@@ -89,9 +89,9 @@ async def start_local_cluster(
             access_log=access_log,
             lifespan="off",
         )
-        server = _EmbeddedServer(config)
+        server = EmbeddedServer(config)
         task = asyncio.create_task(server.serve(sockets=[listener]))
-        await _wait_started(server, task)
+        await wait_started(server, task)
     except BaseException:
         await pool.stop()
         raise
@@ -101,7 +101,7 @@ async def start_local_cluster(
     return LocalCluster(pool, supervisor, address, endpoint, server, task)
 
 
-async def _wait_started(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+async def wait_started(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SERVER_START_TIMEOUT_S
     while not server.started:

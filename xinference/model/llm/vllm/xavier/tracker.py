@@ -3,19 +3,36 @@
 One actor per model, in the supervisor's pool. Replicas register snapshots when they
 publish them and unregister them in batches when the store drops them; a loader asks
 for the longest contiguous prefix of its prompt's keys that one *other* replica holds.
+
+Each replica's scheduler keeps a mirror of the index (``tracker_mirror.py``), fed by
+``mirror_changes`` (a long poll over a bounded change log), so that looking up a
+prompt costs no round trip. ``query_prefix`` for a rank whose mirror is live answers
+what that mirror has applied; for rank -1 (the router, the REST API) what every live
+mirror has applied: "replica r will find this prefix" then holds when it is said.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Sequence
 
 import xoscar as xo
 
 from .hashing import BlockHash
-from .wire import PrefixHit
+from .prefix_index import PrefixIndex
+from .wire import IndexChange, PrefixHit, TrackerChanges
 
 logger = logging.getLogger(__name__)
+
+# The change log keeps at least this many keys' worth of changes; a mirror further
+# behind gets the whole index instead.
+CHANGE_LOG_KEYS = 200_000
+# A mirror that has not polled again this long after its last wait ended no longer
+# holds back what rank -1 queries see.
+MIRROR_GRACE_S = 5.0
 
 
 def tracker_uid(model_uid: str) -> str:
@@ -23,16 +40,22 @@ def tracker_uid(model_uid: str) -> str:
 
 
 class BlockTrackerActor(xo.StatelessActor):
-    """Index of published snapshots. All methods are synchronous, hence atomic."""
+    """Index of published snapshots. Every method but ``mirror_changes`` is
+    synchronous, hence atomic; every change to the index bumps ``version``."""
 
     def __init__(self) -> None:
         super().__init__()
-        # key -> ranks holding it, in registration order (first holder first)
-        self._holders: dict[BlockHash, dict[int, None]] = {}
-        # rank -> keys it holds
-        self._blocks_of: dict[int, set[BlockHash]] = {}
+        self._index = PrefixIndex()
         # rank -> transfer actor pool address
         self._addresses: dict[int, str] = {}
+        self._version = 0
+        # (version, change), oldest first; _log_keys counts the keys it holds
+        self._log: deque[tuple[int, IndexChange]] = deque()
+        self._log_keys = 0
+        self._changed = asyncio.Event()
+        # rank -> (version its mirror has applied, monotonic time until which the
+        # mirror counts as live: the end of its current poll plus a grace)
+        self._mirrors: dict[int, tuple[int, float]] = {}
 
     @classmethod
     def default_uid(cls) -> str:
@@ -48,69 +71,105 @@ class BlockTrackerActor(xo.StatelessActor):
             logger.info(
                 "replica %d re-registered at %s; dropping its old blocks", rank, address
             )
-            self._drop_blocks_of(rank)
+            self._change(IndexChange(IndexChange.FORGET, rank))
         self._addresses[rank] = address
-        self._blocks_of[rank] = set()
+        self._index.add(rank, ())
 
     def register_blocks(self, rank: int, keys: Sequence[BlockHash]) -> None:
-        held = self._require(rank)
-        for key in keys:
-            self._holders.setdefault(key, {})[rank] = None
-            held.add(key)
+        if rank not in self._addresses:
+            raise KeyError(f"replica {rank} is not registered with the block tracker")
+        self._change(IndexChange(IndexChange.ADD, rank, tuple(keys)))
 
     def unregister_blocks(self, rank: int, keys: Sequence[BlockHash]) -> None:
-        held = self._blocks_of.get(rank)
-        if held is None:
+        if rank not in self._addresses:
             return  # the replica was forgotten meanwhile: nothing left to remove
-        for key in keys:
-            held.discard(key)
-            ranks = self._holders.get(key)
-            if ranks is not None:
-                ranks.pop(rank, None)
-                if not ranks:
-                    del self._holders[key]
+        self._change(IndexChange(IndexChange.REMOVE, rank, tuple(keys)))
 
     def query_prefix(self, rank: int, keys: Sequence[BlockHash]) -> PrefixHit | None:
-        """Longest contiguous run of leading ``keys`` held by one replica != ``rank``.
-
-        A prefix split across two holders is not joined: one load comes from one peer.
-        """
-        candidates: set[int] | None = None
-        best: PrefixHit | None = None
-        for depth, key in enumerate(keys, start=1):
-            holders = {r for r in self._holders.get(key, ()) if r != rank}
-            candidates = holders if candidates is None else candidates & holders
-            if not candidates:
-                break
-            chosen = min(candidates)  # deterministic among equals
-            best = PrefixHit(
-                rank=chosen, address=self._addresses[chosen], num_blocks=depth
-            )
-        return best
+        """Longest contiguous run of leading ``keys`` held by one replica != ``rank``,
+        as the mirrors see it (see the module docstring)."""
+        found = self._index.longest_prefix(rank, keys, self._visible_upto(rank))
+        if found is None:
+            return None
+        holder, depth = found
+        return PrefixHit(rank=holder, address=self._addresses[holder], num_blocks=depth)
 
     def forget_replica(self, rank: int) -> None:
         """A replica went away: drop it and everything it held."""
-        self._drop_blocks_of(rank)
+        if rank in self._addresses:
+            self._change(IndexChange(IndexChange.FORGET, rank))
         self._addresses.pop(rank, None)
-        self._blocks_of.pop(rank, None)
+        self._mirrors.pop(rank, None)
 
     def replicas(self) -> dict[int, str]:
         return dict(self._addresses)
 
     def num_blocks(self, rank: int) -> int:
-        return len(self._blocks_of.get(rank, ()))
+        return self._index.num_blocks(rank)
 
-    def _require(self, rank: int) -> set[BlockHash]:
-        held = self._blocks_of.get(rank)
-        if held is None:
-            raise KeyError(f"replica {rank} is not registered with the block tracker")
-        return held
+    # ---- mirrors ------------------------------------------------------------------
 
-    def _drop_blocks_of(self, rank: int) -> None:
-        for key in self._blocks_of.get(rank, ()):
-            ranks = self._holders.get(key)
-            if ranks is not None:
-                ranks.pop(rank, None)
-                if not ranks:
-                    del self._holders[key]
-        self._blocks_of[rank] = set()
+    async def mirror_changes(
+        self, rank: int, since: int, wait_s: float
+    ) -> TrackerChanges:
+        """What replica ``rank``'s mirror, which has applied every change up to
+        ``since`` (-1: nothing yet), must apply next; waits up to ``wait_s`` for a
+        change when there is none. Also records how far that mirror is."""
+        if since < 0 or since > self._version:
+            self._mirrors.pop(rank, None)  # not a live mirror until it has a base
+            return self._snapshot()
+        self._mirrors[rank] = (since, time.monotonic() + wait_s + MIRROR_GRACE_S)
+        if since == self._version:
+            try:
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+            except TimeoutError:
+                pass
+        if self._log and since < self._log[0][0] - 1:
+            return self._snapshot()  # the log no longer reaches back that far
+        changes = tuple(change for version, change in self._log if version > since)
+        return TrackerChanges(self._version, False, changes, self._address_list())
+
+    def mirror_versions(self) -> dict[int, int]:
+        """rank -> the version its live mirror has applied; and -1 -> the tracker's."""
+        versions = {rank: version for rank, (version, _) in self._live_mirrors()}
+        versions[-1] = self._version
+        return versions
+
+    def _snapshot(self) -> TrackerChanges:
+        changes = tuple(
+            IndexChange(IndexChange.ADD, rank, keys)
+            for rank, keys in self._index.blocks_by_rank().items()
+        )
+        return TrackerChanges(self._version, True, changes, self._address_list())
+
+    def _address_list(self) -> tuple[tuple[int, str], ...]:
+        return tuple(self._addresses.items())
+
+    def _live_mirrors(self) -> list[tuple[int, tuple[int, float]]]:
+        now = time.monotonic()
+        return [item for item in self._mirrors.items() if item[1][1] >= now]
+
+    def _visible_upto(self, rank: int) -> int | None:
+        """The version a query on behalf of ``rank`` may see (None: all): what the
+        mirror of ``rank`` has applied; for rank -1 the slowest live mirror's."""
+        if rank >= 0:
+            mirror = self._mirrors.get(rank)
+            return None if mirror is None else mirror[0]
+        live = self._live_mirrors()
+        return min((version for _, (version, _) in live), default=None)
+
+    def _change(self, change: IndexChange) -> None:
+        self._version += 1
+        if change.op == IndexChange.ADD:
+            self._index.add(change.rank, change.keys, self._version)
+        elif change.op == IndexChange.REMOVE:
+            self._index.remove(change.rank, change.keys)
+        else:
+            self._index.forget(change.rank)
+        self._log.append((self._version, change))
+        self._log_keys += len(change.keys)
+        while self._log_keys > CHANGE_LOG_KEYS and len(self._log) > 1:
+            self._log_keys -= len(self._log.popleft()[1].keys)
+        # wake every waiting mirror; later waits use a fresh event
+        self._changed.set()
+        self._changed = asyncio.Event()

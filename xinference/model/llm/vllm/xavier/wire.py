@@ -155,6 +155,35 @@ class StageItem:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexChange:
+    """One change of the tracker's index: ``rank`` published (``ADD``) or dropped
+    (``REMOVE``) ``keys``, or went away with everything it held (``FORGET``)."""
+
+    ADD = "add"
+    REMOVE = "remove"
+    FORGET = "forget"
+
+    op: str
+    rank: int
+    keys: tuple[BlockHash, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TrackerChanges:
+    """What a mirror of the tracker's index must apply to reach ``version``.
+
+    With ``reset`` the changes rebuild the index from empty (the mirror asked from
+    scratch, or fell further behind than the tracker's change log reaches).
+    ``addresses`` is every registered replica's transfer actor address.
+    """
+
+    version: int
+    reset: bool
+    changes: tuple[IndexChange, ...]
+    addresses: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
     """The tracker's answer: ``num_blocks`` leading keys are held by ``rank``."""
 

@@ -258,6 +258,11 @@ def test_remote_hit_supplies_the_shared_prefix_and_matches_recompute(deployment)
     assert (b.kv_transfer_params or {})["xavier_holder_rank"] == 0
     assert b.num_cached_tokens == shared
     assert b.token_ids == deployment.expected(PROMPT_B)
+    # Both engines' schedulers follow the tracker's index through their mirrors
+    # (each poll tells the tracker how far that mirror is).
+    assert deployment.cluster is not None
+    followed = deployment.cluster.call(deployment.cluster.tracker.mirror_versions())
+    assert {0, 1} <= set(followed), followed
     stats = deployment.cluster.stats(1)
     assert stats.actor.loads_ok >= 1
 

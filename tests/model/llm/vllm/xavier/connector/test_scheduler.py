@@ -22,6 +22,7 @@ from xinference.model.llm.vllm.xavier.connector.scheduler import (
 )
 from xinference.model.llm.vllm.xavier.hashing import BlockHash, hash_full_blocks
 from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
+from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
 from xinference.model.llm.vllm.xavier.wire import (
     CPU_TIER,
     KVGeometry,
@@ -97,6 +98,7 @@ def make_side(
     load_async: bool = False,
     rpc_timeout_s: float = 2.0,
     query_prefix: Any = None,
+    mirror: TrackerMirror | None = None,
 ) -> SchedulerSide:
     async def ask_tracker(rank: int, keys: list[BlockHash]) -> PrefixHit | None:
         return tracker.query_prefix(rank, keys)
@@ -114,6 +116,7 @@ def make_side(
         query_prefix or ask_tracker,
         holder.reserve,
         holder.release,
+        mirror,
     )
     side.set_identity(IDENTITY)
     return side
@@ -598,3 +601,75 @@ def test_a_load_that_cannot_start_stages_nothing_in_its_step(loop, tracker):
     side.loads_failed({5})
     again = side.build_step([ScheduledRequest("r", BS, 9, [])])
     assert [s.block_id for s in again.stage] == [5, 6]  # 7 holds the tail
+
+
+class CountingTracker:
+    """Asks the real tracker logic, counting the round trips."""
+
+    def __init__(self, tracker: BlockTrackerActor) -> None:
+        self.tracker = tracker
+        self.queries = 0
+
+    async def __call__(self, rank: int, keys: list[BlockHash]) -> PrefixHit | None:
+        self.queries += 1
+        return self.tracker.query_prefix(rank, keys)
+
+
+def synced_mirror(loop: BackgroundLoop, tracker: BlockTrackerActor) -> TrackerMirror:
+    mirror = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(LOADER, since, wait),
+        rpc_timeout_s=1,
+    )
+    mirror.apply(loop.run(tracker.mirror_changes(LOADER, -1, 0.0), 1))
+    return mirror
+
+
+def test_with_a_ready_mirror_a_miss_costs_no_round_trip(loop, tracker):
+    holder = Holder()
+    publish(tracker, holder, list(range(100, 120)))  # someone else's prefix
+    mirror = synced_mirror(loop, tracker)
+    asked = CountingTracker(tracker)
+    side = make_side(loop, tracker, holder, query_prefix=asked, mirror=mirror)
+    for n in range(20):
+        prompt = list(range(1000 * n, 1000 * n + 40))
+        assert side.num_new_matched_tokens(f"r{n}", prompt, 0) == (0, False)
+    assert asked.queries == 0 and holder.reserved == []
+    assert side.stats["mirror_lookups"] == 20
+
+
+def test_with_a_ready_mirror_a_hit_costs_one_round_trip(loop, tracker):
+    holder = Holder()
+    keys = publish(tracker, holder, list(range(20)))
+    mirror = synced_mirror(loop, tracker)
+    asked = CountingTracker(tracker)
+    side = make_side(loop, tracker, holder, query_prefix=asked, mirror=mirror)
+    assert side.num_new_matched_tokens("r", list(range(20)), 0) == (4 * BS, False)
+    assert asked.queries == 0
+    assert [wanted for _, wanted in holder.reserved] == [keys[:4]]
+
+
+def test_a_stale_mirror_costs_a_miss_never_a_wrong_load(loop, tracker):
+    """The mirror still lists snapshots the holder dropped: the reservation grants
+    nothing and the request computes its blocks."""
+    holder = Holder()
+    publish(tracker, holder, list(range(20)))
+    mirror = synced_mirror(loop, tracker)
+    holder.keys.clear()  # evicted; the mirror has not heard yet
+    side = make_side(loop, tracker, holder, mirror=mirror)
+    assert side.num_new_matched_tokens("r", list(range(20)), 0) == (0, False)
+    assert side.stats["misses_refused"] == 1
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+
+
+def test_until_the_mirror_is_ready_the_tracker_is_asked(loop, tracker):
+    holder = Holder()
+    publish(tracker, holder, list(range(20)))
+    mirror = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(LOADER, since, wait),
+        rpc_timeout_s=1,
+    )
+    asked = CountingTracker(tracker)
+    side = make_side(loop, tracker, holder, query_prefix=asked, mirror=mirror)
+    assert side.num_new_matched_tokens("r", list(range(20)), 0) == (4 * BS, False)
+    assert asked.queries == 1 and side.stats["mirror_lookups"] == 0

@@ -328,6 +328,13 @@ class TransportPeer(xo.StatelessActor):
             "text": report.describe(),
         }
 
+    def use_row_lists(self, enabled: bool) -> tuple[str, ...]:
+        """Turn the NIXL endpoint's prepared row lists on or off; returns the peers
+        it has lists for."""
+        endpoint = self.transport.endpoint
+        endpoint.use_row_lists = enabled
+        return endpoint.peers_with_row_lists
+
     def peer_paths(self) -> dict[str, dict[str, Any]]:
         paths = self.transport.endpoint.peer_paths
         return {name: dataclasses.asdict(path) for name, path in paths.items()}

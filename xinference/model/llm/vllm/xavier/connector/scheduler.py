@@ -7,8 +7,10 @@ Per request it
 1. hashes the prompt's full blocks once (the last prompt token never counts: vLLM
    must compute at least one token to sample the next, so only
    ``prompt[: len - 1]``'s full blocks can come from a peer);
-2. asks the tracker for the longest prefix another replica holds, beyond the blocks
-   vLLM already has locally, and reserves leases on the holder's snapshots;
+2. looks up the longest prefix another replica holds, beyond the blocks vLLM
+   already has locally, in its mirror of the tracker's index (the tracker itself
+   while the mirror is not ready), and reserves leases on the holder's snapshots:
+   no round trip for a prompt nobody holds, one for a hit;
 3. after vLLM allocated destination blocks, turns the reservation into a load;
 4. each step, names the blocks that became full, to stage and publish them: prompt
    blocks, blocks of generated tokens (a later turn of the conversation, on another
@@ -31,6 +33,7 @@ from typing import Any
 
 from ..aio import BackgroundLoop, with_deadline
 from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
+from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, LoadRequest, PrefixHit, ReplicaIdentity, StageItem
 from .step import RequestLoad, ScheduledRequest, StageAfterLoad, StepMetadata
 
@@ -126,8 +129,10 @@ class SchedulerSide:
         query_prefix: QueryPrefix,
         reserve: Reserve,
         release: Release,
+        mirror: TrackerMirror | None = None,
     ) -> None:
         self._settings = settings
+        self._mirror = mirror
         self._loop = loop
         self._query_prefix = query_prefix
         self._reserve = reserve
@@ -143,6 +148,7 @@ class SchedulerSide:
         # counters for logs and tests
         self.stats: dict[str, int] = {
             "lookups": 0,
+            "mirror_lookups": 0,
             "hits": 0,
             "hit_blocks": 0,
             "misses_refused": 0,
@@ -225,15 +231,7 @@ class SchedulerSide:
         self, req_id: str, keys: list[BlockHash], local_blocks: int
     ) -> _Reservation | None:
         settings = self._settings
-        if self._backoff.blocked("tracker"):
-            return None
-        try:
-            hit = self._loop.run(
-                self._query_prefix(settings.rank, keys), settings.rpc_timeout_s
-            )
-        except Exception as exc:  # any tracker failure is a miss, logged once
-            self._peer_failed("tracker", "the block tracker", exc)
-            return None
+        hit = self._find_holder(keys)
         if hit is None or hit.num_blocks <= local_blocks:
             return None
         if self._backoff.blocked(hit.address):
@@ -280,6 +278,22 @@ class SchedulerSide:
         self.stats["hits"] += 1
         self.stats["hit_blocks"] += usable
         return _Reservation(grant, hit, local_blocks)
+
+    def _find_holder(self, keys: list[BlockHash]) -> PrefixHit | None:
+        mirror = self._mirror
+        if mirror is not None and mirror.ready:
+            self.stats["mirror_lookups"] += 1
+            return mirror.query(self._settings.rank, keys)
+        if self._backoff.blocked("tracker"):
+            return None
+        try:
+            return self._loop.run(
+                self._query_prefix(self._settings.rank, keys),
+                self._settings.rpc_timeout_s,
+            )
+        except Exception as exc:  # any tracker failure is a miss, logged once
+            self._peer_failed("tracker", "the block tracker", exc)
+            return None
 
     def _peer_failed(self, peer: str, what: str, exc: BaseException) -> None:
         self.stats["misses_peer_error"] += 1

@@ -41,7 +41,8 @@ from ..aio import ActorRefs, BackgroundLoop, with_deadline
 from ..config import transfer_actor_uid
 from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
-from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity
+from ..tracker_mirror import TrackerMirror
+from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
 from .engine_time import EngineTime, timed
 from .faults import ConnectorFaults
 from .scheduler import SchedulerSettings, SchedulerSide
@@ -130,9 +131,18 @@ class XavierConnector(KVConnectorBase_V1):
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,
             )
-            self._scheduler = SchedulerSide(
-                settings, self._loop, self._query_prefix, self._reserve, self._release
+            mirror = TrackerMirror(
+                self._mirror_changes, rpc_timeout_s=options.rpc_timeout_s
             )
+            self._scheduler = SchedulerSide(
+                settings,
+                self._loop,
+                self._query_prefix,
+                self._reserve,
+                self._release,
+                mirror,
+            )
+            self._loop.submit(mirror.run())
         else:
             worker_settings = WorkerSettings(
                 model=model,
@@ -158,6 +168,12 @@ class XavierConnector(KVConnectorBase_V1):
             self._options.tracker_address, self._options.tracker_uid
         )
         return await tracker.query_prefix(rank, keys)
+
+    async def _mirror_changes(self, since: int, wait_s: float) -> TrackerChanges:
+        tracker = await self._refs.get(
+            self._options.tracker_address, self._options.tracker_uid
+        )
+        return await tracker.mirror_changes(self._options.rank, since, wait_s)
 
     async def _reserve(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +25,7 @@ from xinference.model.llm.vllm.xavier.transports.nixl.plan import (
     EngineBlockMap,
     plan_engine_read,
     plan_slab_read,
+    plan_slab_rows,
 )
 from xinference.model.llm.vllm.xavier.transports.nixl.transport import (
     PLACEMENT_ENGINE,
@@ -155,6 +157,42 @@ def test_slab_plan_matches_the_row_by_row_reference(seed: int) -> None:
         assert plan.remote[:, 1].tolist() == plan.local[:, 1].tolist()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_row_index_plan_names_every_row_in_order(seed: int) -> None:
+    """The prepared-list form of a slab read: slab row i <- the holder row of global
+    row first + i, counted row by row here; descriptors are the merged runs."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(250):
+        num_layers = int(rng.choice([1, 2, 3, 8]))
+        keys = int(rng.integers(1, 13))
+        if rng.random() < 0.4:
+            start = int(rng.integers(0, 50))
+            order = list(range(start, start + keys))
+        else:
+            order = [int(k) for k in rng.choice(200, keys, replace=False)]
+        first_rows = [k * num_layers for k in order]
+        total = keys * num_layers
+        first = int(rng.integers(0, total))
+        count = int(rng.integers(1, total - first + 1))
+        plan = plan_slab_rows(first_rows, num_layers, 64, first, count, "s", "h")
+        assert plan.rows is not None
+        holder_rows = []
+        for row in range(first, first + count):
+            key, layer = divmod(row, num_layers)
+            holder_rows.append(first_rows[key] + layer)
+        assert plan.rows.remote.tolist() == holder_rows
+        assert plan.rows.local.tolist() == list(range(count))
+        steps = zip(holder_rows, holder_rows[1:], strict=False)
+        runs = 1 + sum(b != a + 1 for a, b in steps)
+        assert (
+            plan.descriptors
+            == len(row_by_row_plan(first_rows, num_layers, 64, first, count))
+            == runs
+        )
+        assert plan.nbytes == count * 64
+        assert (plan.rows.local_list, plan.rows.remote_list) == ("s", "h")
+
+
 def engine_tensors(layout: str, num_blocks: int = 8) -> list[torch.Tensor]:
     flat = torch.zeros(2 * num_blocks * 2048, dtype=torch.bfloat16)
     per_layer = num_blocks * 2048
@@ -276,6 +314,36 @@ async def test_wire_bytes_equal_useful_bytes(device: str) -> None:
                 )
                 assert got == rows_of(data, slot)
         assert (await loader.counters())["descriptors"] == expected_descriptors
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("device", DEVICES)
+async def test_slab_reads_by_prepared_rows_equal_reads_by_descriptors(
+    device: str,
+) -> None:
+    """With ``use_row_lists``, reads into the slab go through the row lists
+    prepared when the peer was met; without, the same loads carry descriptors.
+    Both bring every byte, in as many descriptors."""
+    data = random_bytes(16 * GEOMETRY.block_nbytes, seed=21)
+    spec = PeerSpec("nixl", GEOMETRY, device=device, num_slots=16)
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        batches = ([7], [3, 4, 5], [15, 0, 1, 9, 10, 11, 2])
+        descriptors: dict[bool, int] = {}
+        await loader.use_row_lists(True)
+        for prepared in (True, False):
+            before = (await loader.counters())["descriptors"]
+            for batch in batches:
+                await loader.clear_dest()
+                await loader.load(
+                    holder_address, batch, dst_slots=list(range(len(batch)))
+                )
+                got = await loader.read_dest(0, len(batch) * GEOMETRY.num_layers)
+                assert got == b"".join(rows_of(data, slot) for slot in batch)
+            descriptors[prepared] = (await loader.counters())["descriptors"] - before
+            # the holder was met on the first load: its row list exists from then
+            assert len(await loader.use_row_lists(not prepared)) == 1
+        assert descriptors[True] == descriptors[False] == 1 + 1 + 4
 
 
 @pytest.mark.nixl
@@ -425,6 +493,12 @@ async def test_meeting_a_peer_reads_one_row_from_it_once() -> None:
         assert path["local_mem_type"] == path["remote_mem_type"] == "DRAM"
         assert path["nbytes"] == GEOMETRY.layer_block_nbytes
         assert path["zero_copy_only"] is False  # UCX's defaults on DRAM
+        # the path names the peer's host and the UCX transports that can join the
+        # two: both run here, so one-host ones (shared memory) are among them
+        assert path["same_host"] is True
+        assert path["peer_host"] == socket.gethostname()
+        offered = set((await loader.ucx_report())["transports"]) - {"self"}
+        assert path["transports"] and set(path["transports"]) == offered
         counters = await loader.counters()
         assert counters["peer_metadata_loads"] == 1
         assert counters["descriptors"] == 2  # the two loads, not the check

@@ -7,12 +7,22 @@ one missed its deadline. Peers are met once (their partial metadata loaded, a
 connection made, one row READ as a check of the path, so a missing zero-copy path
 fails there with its reason rather than on every load) and again only when their
 generation changes. READs themselves are ``reads.ReadWaiter``'s.
+
+Descriptor lists of whole rows are prepared once, for the receive slab and for each
+peer's device tier (``row_lists``). With ``use_row_lists`` a READ into the slab is
+then a list of row indices (``plan.plan_slab_rows``), with no descriptor list built
+on a load's path. It is off by default: on a CPU it saves about 2 us of NIXL's
+time per READ and costs as much in building the indices
+(``benchmark/transport_benchmark.py``, ``nixl-read`` against ``nixl-read-descs``);
+on a GPU it is not measured yet. Where NIXL cannot prepare them, or with the flag
+off, READs carry their descriptors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -22,13 +32,14 @@ from typing import Any
 import torch
 
 from ...aio import finish_even_if_cancelled
-from .plan import EngineBlockMap, ReadPlan, _merged_plan, _u64
+from .plan import EngineBlockMap, ReadPlan, _merged_plan, _u64, row_descriptors
 from .reads import DEST_PROBE, DEST_SLAB, ReadWaiter
 from .ucx import (
     PROGRESS_THREAD_DELAY_US,
     VRAM_UCX_SETTINGS,
     UcxReport,
     _progress_thread_delay,
+    pair_transports,
     probe_ucx,
     progress_thread_delay_us,
     ucx_settings,
@@ -69,12 +80,20 @@ class PeerPath:
     nbytes: int
     seconds: float
     zero_copy_only: bool
+    # where the peer runs, and the UCX transports both sides offer that can join
+    # them (one-host ones such as cma or cuda_ipc only when the host is the same)
+    peer_host: str = ""
+    same_host: bool = True
+    transports: tuple[str, ...] = ()
 
     def describe(self) -> str:
         path = "zero-copy" if self.zero_copy_only else "UCX's choice"
+        where = "on this host" if self.same_host else f"on host {self.peer_host}"
         return (
             f"{self.remote_mem_type}->{self.local_mem_type} READ of {self.nbytes} "
-            f"bytes from {self.peer} in {self.seconds * 1e6:.0f} us ({path})"
+            f"bytes from {self.peer} ({where}) in {self.seconds * 1e6:.0f} us "
+            f"({path}; UCX transports for this peer: "
+            f"{', '.join(self.transports) or 'unknown'})"
         )
 
 
@@ -152,6 +171,12 @@ class NixlAgentEndpoint:
         self._slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=self.device)
         self._slab_region = NixlRegion.of(self._slab)
         self._slab_reg: Any = None
+        # prepared row lists (None: not prepared; READs carry descriptors), used
+        # for READs into the slab only with use_row_lists (see the module docstring)
+        self.use_row_lists = False
+        self._slab_list: Any = None
+        self._peer_lists: dict[str, Any] = {}  # remote agent name -> its rows' list
+        self._stale_lists: list[Any] = []  # lists a pending READ may still use
         self._probe = torch.zeros(row_bytes, dtype=torch.uint8, device=self.device)
         self._probe_reg: Any = None
         self.peer_paths: dict[str, PeerPath] = {}
@@ -230,6 +255,7 @@ class NixlAgentEndpoint:
             if self._engine_map is not None:
                 self._register_engine(self._engine_map)
             self._info = self._make_info()
+            self._slab_list = self._prepare_rows("", self._slab_region)
         except BaseException:
             self._deregister_all()
             raise
@@ -260,6 +286,43 @@ class NixlAgentEndpoint:
         self.registrations += 1
         return reg
 
+    def _prepare_rows(self, agent_name: str, region: NixlRegion) -> Any:
+        """A prepared descriptor list of ``region``'s rows (``agent_name`` "": this
+        agent's memory), or None where NIXL refuses (logged)."""
+        try:
+            return self._agent.prep_xfer_dlist(
+                agent_name, row_descriptors(region, self.row_bytes), region.mem_type
+            )
+        except self._nixl_errors as exc:
+            logger.warning(
+                "NIXL endpoint %s could not prepare the row list of %s (%r); its "
+                "READs carry their descriptors",
+                self.agent_name,
+                agent_name or "its receive slab",
+                exc,
+            )
+            return None
+
+    def _release_list(self, handle: Any) -> None:
+        if handle is not None and self._agent is not None:
+            self._agent.release_dlist_handle(handle)
+
+    def _release_lists(self, handles: Sequence[Any]) -> None:
+        for handle in handles:
+            self._release_list(handle)
+
+    def row_lists(self, peer: str) -> tuple[Any, Any] | None:
+        """(the receive slab's, ``peer``'s device tier's) prepared row lists, when
+        both exist (see ``plan.plan_slab_rows``)."""
+        peer_list = self._peer_lists.get(peer)
+        if peer_list is None or self._slab_list is None or not self.use_row_lists:
+            return None
+        return self._slab_list, peer_list
+
+    @property
+    def peers_with_row_lists(self) -> tuple[str, ...]:
+        return tuple(name for name, rows in self._peer_lists.items() if rows)
+
     def _make_info(self) -> NixlEndpointInfo:
         store = None
         metadata = b""
@@ -268,8 +331,15 @@ class NixlAgentEndpoint:
             metadata = self._agent.get_partial_agent_metadata(
                 self._store_reg, inc_conn_info=True
             )
+        report = self.ucx_report
         return NixlEndpointInfo(
-            self.agent_name, self.generation, metadata, store, self.row_bytes
+            self.agent_name,
+            self.generation,
+            metadata,
+            store,
+            self.row_bytes,
+            host=socket.gethostname(),
+            transports=report.transports if report is not None else (),
         )
 
     def _log_start(self) -> None:
@@ -398,6 +468,14 @@ class NixlAgentEndpoint:
                 )
             # Connect now rather than on the first READ, whose deadline it would eat.
             self._agent.make_connection(info.agent_name)
+            old = self._peer_lists.pop(info.agent_name, None)
+            if old is not None:
+                self._stale_lists.append(old)  # a late READ may still use it
+            assert info.store is not None
+            if info.row_bytes == self.row_bytes:
+                self._peer_lists[info.agent_name] = self._prepare_rows(
+                    info.agent_name, info.store
+                )
 
         try:
             await finish_even_if_cancelled(asyncio.to_thread(load))
@@ -446,6 +524,8 @@ class NixlAgentEndpoint:
                 f"the first READ from peer {info.agent_name} "
                 f"({info.store.mem_type}->{probe.mem_type}) failed: {exc}{hint}"
             ) from exc
+        same_host = not info.host or info.host == socket.gethostname()
+        local = self.ucx_report.transports if self.ucx_report is not None else ()
         path = PeerPath(
             info.agent_name,
             probe.mem_type,
@@ -453,6 +533,9 @@ class NixlAgentEndpoint:
             nbytes,
             time.monotonic() - started,
             self.zero_copy_only,
+            peer_host=info.host,
+            same_host=same_host,
+            transports=pair_transports(local, info.transports, same_host),
         )
         self.peer_paths[info.agent_name] = path
         logger.info("NIXL endpoint %s: %s", self.agent_name, path.describe())
@@ -466,7 +549,11 @@ class NixlAgentEndpoint:
             return
         del self._peers[agent_name]
         self.peer_paths.pop(agent_name, None)
+        stale = [self._peer_lists.pop(agent_name, None)]
+        if self._reads is None or not self._reads.pending_count():
+            stale, self._stale_lists = stale + self._stale_lists, []
         try:
+            await asyncio.to_thread(self._release_lists, stale)
             await asyncio.to_thread(self._agent.remove_remote_agent, agent_name)
         except self._nixl_errors as exc:  # already gone, e.g. after a disconnect
             logger.info("NIXL peer %s was already removed: %r", agent_name, exc)
@@ -501,16 +588,22 @@ class NixlAgentEndpoint:
         """A READ into ``destination`` missed its deadline: what it may still write."""
         if destination != DEST_SLAB:
             return None
-        hold = (self._slab, self._slab_reg)
+        hold = (self._slab, self._slab_reg, self._slab_list)
         slab = torch.zeros_like(self._slab)
         region = NixlRegion.of(slab)
         self._slab_reg = await asyncio.to_thread(self._register, [region])
         self._slab, self._slab_region = slab, region
+        self._slab_list = await asyncio.to_thread(self._prepare_rows, "", region)
         return hold
 
     async def _free(self, hold: Any) -> None:
         """The READ into a retired slab ended: nothing can write it any more."""
-        await asyncio.to_thread(self._agent.deregister_memory, hold[1])
+
+        def free() -> None:
+            self._release_list(hold[2])
+            self._agent.deregister_memory(hold[1])
+
+        await asyncio.to_thread(free)
 
     async def pending_reads(self) -> int:
         """READs that missed their deadline and have not ended (after reaping)."""
@@ -563,6 +656,10 @@ class NixlAgentEndpoint:
         )
 
     def _deregister_all(self) -> None:
+        self._release_lists(
+            [self._slab_list, *self._peer_lists.values(), *self._stale_lists]
+        )
+        self._slab_list, self._peer_lists, self._stale_lists = None, {}, []
         for attr in ("_engine_regs", "_probe_reg", "_slab_reg", "_store_reg"):
             reg = getattr(self, attr)
             if reg is not None and self._agent is not None:

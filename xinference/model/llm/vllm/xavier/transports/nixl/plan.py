@@ -72,16 +72,35 @@ class EngineBlockMap:
 
 
 @dataclass(frozen=True, slots=True)
+class RowIndices:
+    """A READ as indices into two descriptor lists NIXL prepared once (one
+    descriptor per row on each side): local row ``local[i]`` <- remote row
+    ``remote[i]``. NIXL joins rows that continue each other on both sides;
+    ``descriptors`` is how many remain."""
+
+    local_list: Any  # a prepared descriptor list of this agent's memory
+    local: np.ndarray
+    remote_list: Any  # a prepared descriptor list of the peer's memory
+    remote: np.ndarray
+    descriptors: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReadPlan:
     """Matching local and remote descriptors ``(address, length, device id)`` as
-    ``(n, 3)`` uint64 arrays; ``nbytes`` is their total length."""
+    ``(n, 3)`` uint64 arrays; ``nbytes`` is their total length. Or, with ``rows``,
+    row indices into prepared lists (``local`` and ``remote`` then stay empty):
+    no descriptor list is built on a load's path."""
 
     local: np.ndarray
     remote: np.ndarray
     nbytes: int
+    rows: RowIndices | None = None
 
     @property
     def descriptors(self) -> int:
+        if self.rows is not None:
+            return self.rows.descriptors
         return int(self.local.shape[0])
 
 
@@ -172,6 +191,67 @@ def plan_slab_read(
         local=_u64([local, length, [slab.device_id] * n]).T.copy(),
         remote=_u64([remote, length, [store.device_id] * n]).T.copy(),
         nbytes=offset,
+    )
+
+
+def row_descriptors(region: NixlRegion, row_bytes: int) -> np.ndarray:
+    """One ``(address, length, device id)`` descriptor per whole row of ``region``,
+    for a list NIXL prepares once (``RowIndices``)."""
+    rows = region.nbytes // row_bytes
+    out = np.empty((rows, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(region.address) + np.arange(
+        rows, dtype=np.uint64
+    ) * np.uint64(row_bytes)
+    out[:, 1] = row_bytes
+    out[:, 2] = region.device_id
+    return out
+
+
+_EMPTY = np.empty((0, 3), dtype=np.uint64)
+
+
+_counting = np.arange(0, dtype=np.int64)
+
+
+def _first_n(n: int) -> np.ndarray:
+    """``arange(n)`` as a view of one array kept across loads (never written)."""
+    global _counting
+    if _counting.size < n:
+        _counting = np.arange(max(n, 2 * _counting.size), dtype=np.int64)
+    return _counting[:n]
+
+
+def plan_slab_rows(
+    first_rows: Sequence[int],
+    num_layers: int,
+    row_bytes: int,
+    first_row: int,
+    num_rows: int,
+    slab_list: Any,
+    store_list: Any,
+) -> ReadPlan:
+    """``plan_slab_read``'s READ as row indices: global rows ``first_row ..
+    first_row + num_rows - 1`` into slab rows ``0 .. num_rows - 1``.
+
+    On a load's path: a handful of array operations whatever the chunk's size."""
+    end = first_row + num_rows
+    first_key, last_key = first_row // num_layers, (end - 1) // num_layers
+    firsts = np.fromiter(
+        first_rows[first_key : last_key + 1], np.int64, last_key + 1 - first_key
+    )
+    # every row of those keys, then the chunk's part of them
+    holder = (firsts[:, None] + _first_n(num_layers)[None, :]).ravel()
+    skip = first_row - first_key * num_layers
+    holder = holder[skip : skip + num_rows]
+    # a key that does not follow the previous one in the holder starts a descriptor
+    breaks = int(np.count_nonzero(firsts[1:] - firsts[:-1] != num_layers))
+    return ReadPlan(
+        local=_EMPTY,
+        remote=_EMPTY,
+        nbytes=num_rows * row_bytes,
+        rows=RowIndices(
+            slab_list, _first_n(num_rows), store_list, holder, descriptors=1 + breaks
+        ),
     )
 
 

@@ -145,6 +145,11 @@ class ReadWaiter:
     ) -> Any:
         agent = self._agent
         try:
+            rows = plan.rows
+            if rows is not None:
+                return agent.make_prepped_xfer(
+                    "READ", rows.local_list, rows.local, rows.remote_list, rows.remote
+                )
             return agent.initialize_xfer(
                 "READ",
                 agent.get_xfer_descs(plan.local, mem_type=local_mem_type),

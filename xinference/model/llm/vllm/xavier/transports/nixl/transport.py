@@ -50,7 +50,13 @@ from ...wire import KVGeometry, TransportHint
 from ..base import HolderCall, HolderOp, LocateRows, TransportContext
 from ..xoscar.gpu_transfer import ScatterFn, full_slab_bytes
 from .endpoint import NixlAgentEndpoint
-from .plan import EngineBlockMap, ReadPlan, plan_engine_read, plan_slab_read
+from .plan import (
+    EngineBlockMap,
+    ReadPlan,
+    plan_engine_read,
+    plan_slab_read,
+    plan_slab_rows,
+)
 from .reads import DEST_ENGINE, DEST_SLAB
 from .wire import NixlEndpointInfo, NixlSource, NixlTransferError, NixlTransferTimeout
 
@@ -234,15 +240,26 @@ class NixlDirectTransport:
                 # READ must not overwrite it before that work is done.
                 self._slab_readers.wait()
                 slab_region = self._endpoint.slab_region
-                plan = plan_slab_read(
-                    source.first_rows,
-                    num_layers,
-                    row_bytes,
-                    peer.store,
-                    slab_region,
-                    first_row,
-                    num_rows,
-                )
+                lists = self._endpoint.row_lists(peer.agent_name)
+                if lists is not None:
+                    plan = plan_slab_rows(
+                        source.first_rows,
+                        num_layers,
+                        row_bytes,
+                        first_row,
+                        num_rows,
+                        *lists,
+                    )
+                else:
+                    plan = plan_slab_read(
+                        source.first_rows,
+                        num_layers,
+                        row_bytes,
+                        peer.store,
+                        slab_region,
+                        first_row,
+                        num_rows,
+                    )
                 await self._read(
                     holder_rank, peer, plan, slab_region.mem_type, DEST_SLAB
                 )

@@ -105,6 +105,25 @@ class UcxReport:
         )
 
 
+# UCX transports that only join processes of one host (shared memory, kernel copies,
+# CUDA/ROCm IPC); between hosts only the network ones remain (rc, dc, ud, tcp, ...).
+ONE_HOST_TRANSPORTS = frozenset(
+    {"self", "cma", "posix", "sysv", "xpmem", "knem", "cuda_ipc", "rocm_ipc"}
+)
+
+
+def pair_transports(
+    local: Sequence[str], remote: Sequence[str], same_host: bool
+) -> tuple[str, ...]:
+    """The UCX transports both sides offer that can join them: what UCX chooses
+    from for this pair (it picks per memory type and size; ``UCX_PROTO_INFO=y``
+    shows the choice)."""
+    both = set(local) & set(remote)
+    if not same_host:
+        both -= ONE_HOST_TRANSPORTS
+    return tuple(sorted(both - {"self"}))
+
+
 def probe_ucx(agent: Any, applied: tuple[tuple[str, str], ...] = ()) -> UcxReport:
     """Report the UCX transports available to ``agent``'s process.
 

@@ -87,6 +87,10 @@ class NixlEndpointInfo:
     metadata: bytes
     store: NixlRegion | None  # None: the holder has no device tier
     row_bytes: int
+    # the holder's host (``socket.gethostname()``) and the UCX transports its
+    # process offers (``UcxReport.transports``), for the loader's path report
+    host: str = ""
+    transports: tuple[str, ...] = ()
 
     @property
     def epoch(self) -> tuple[str, int]:

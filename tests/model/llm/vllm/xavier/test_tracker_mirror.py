@@ -1,0 +1,193 @@
+"""The tracker's change feed and a replica's mirror of its index.
+
+The feed and the visibility rule are exercised on the actor's logic called in
+process (deterministic: each poll is a direct call); the long poll and the mirror's
+own loop against the tracker as a real actor in a real xoscar pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier import tracker as tracker_module
+from xinference.model.llm.vllm.xavier.hashing import BlockHash, hash_full_blocks
+from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
+from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
+from xinference.model.llm.vllm.xavier.wire import PrefixHit, TrackerChanges
+
+KEYS = hash_full_blocks(list(range(16 * 8)), 16, "mirror-test")
+OTHER = hash_full_blocks(list(range(1000, 1000 + 16 * 4)), 16, "mirror-test")
+
+
+def fresh_tracker() -> BlockTrackerActor:
+    tracker = BlockTrackerActor()
+    for rank, address in enumerate(("nixl://a", "nixl://b", "nixl://c")):
+        tracker.register_replica(rank, address)
+    return tracker
+
+
+async def poll(tracker: BlockTrackerActor, rank: int, since: int) -> TrackerChanges:
+    return await tracker.mirror_changes(rank, since, 0.0)
+
+
+async def test_queries_see_only_what_the_mirrors_applied():
+    """After the tracker says "replica 0 will find this prefix", replica 0's mirror
+    must already have it: queries answer as the mirrors see the index."""
+    tracker = fresh_tracker()
+    base = (await poll(tracker, 0, -1)).version
+    await poll(tracker, 0, base)  # mirror 0 is live at `base`
+    tracker.register_blocks(1, KEYS[:4])
+    assert tracker.query_prefix(0, KEYS) is None
+    assert tracker.query_prefix(-1, KEYS) is None
+    # replica 2 has no mirror: it sees everything at once
+    assert tracker.query_prefix(2, KEYS) == PrefixHit(1, "nixl://b", 4)
+
+    changes = await poll(tracker, 0, base)
+    assert not changes.reset and changes.version == base + 1
+    await poll(tracker, 0, changes.version)  # mirror 0 applied it
+    assert tracker.query_prefix(0, KEYS) == PrefixHit(1, "nixl://b", 4)
+    assert tracker.query_prefix(-1, KEYS) == PrefixHit(1, "nixl://b", 4)
+    assert tracker.mirror_versions() == {0: base + 1, -1: base + 1}
+
+
+async def test_a_mirror_applies_every_kind_of_change_like_the_tracker():
+    tracker = fresh_tracker()
+    mirror = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(0, since, wait), rpc_timeout_s=1
+    )
+    mirror.apply(await poll(tracker, 0, -1))
+
+    def same_answers(keys: Sequence[BlockHash]) -> None:
+        for rank in (-1, 0, 1, 2):
+            assert mirror.query(rank, keys) == tracker.query_prefix(rank, keys)
+
+    async def catch_up() -> None:
+        mirror.apply(await poll(tracker, 0, mirror.version))
+        await poll(tracker, 0, mirror.version)
+
+    tracker.register_blocks(1, KEYS[:6])
+    tracker.register_blocks(2, KEYS[:3])
+    tracker.register_blocks(2, OTHER)
+    await catch_up()
+    assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 6)
+    same_answers(KEYS)
+    same_answers(OTHER)
+    tracker.unregister_blocks(1, KEYS[2:])
+    await catch_up()
+    assert mirror.query(0, KEYS) == PrefixHit(2, "nixl://c", 3)
+    assert mirror.query(2, KEYS) == PrefixHit(1, "nixl://b", 2)
+    same_answers(KEYS)
+    tracker.forget_replica(1)
+    await catch_up()
+    assert mirror.query(2, KEYS) is None
+    same_answers(KEYS)
+    tracker.register_replica(2, "nixl://c2")  # restarted: its old blocks are gone
+    tracker.register_blocks(2, KEYS[:1])
+    await catch_up()
+    assert mirror.query(0, KEYS) == PrefixHit(2, "nixl://c2", 1)
+    assert mirror.query(0, OTHER) is None
+    same_answers(KEYS)
+    same_answers(OTHER)
+
+
+async def test_a_mirror_too_far_behind_gets_the_whole_index(monkeypatch):
+    monkeypatch.setattr(tracker_module, "CHANGE_LOG_KEYS", 4)
+    tracker = fresh_tracker()
+    mirror = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(0, since, wait), rpc_timeout_s=1
+    )
+    mirror.apply(await poll(tracker, 0, -1))
+    behind = mirror.version
+    for key in KEYS:  # 8 changes of one key: the log keeps only the last 4
+        tracker.register_blocks(1, [key])
+    changes = await poll(tracker, 0, behind)
+    assert changes.reset
+    mirror.apply(changes)
+    assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", len(KEYS))
+    # one change behind is still served from the log
+    tracker.unregister_blocks(1, KEYS[4:])
+    changes = await poll(tracker, 0, mirror.version)
+    assert not changes.reset and len(changes.changes) == 1
+    mirror.apply(changes)
+    assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
+
+
+@pytest.fixture
+async def pooled_tracker():
+    pool = await xo.create_actor_pool("127.0.0.1", n_process=0)
+    async with pool:
+        ref = await xo.create_actor(
+            BlockTrackerActor, address=pool.external_address, uid="tracker"
+        )
+        await ref.register_replica(0, "nixl://a")
+        await ref.register_replica(1, "nixl://b")
+        yield ref
+
+
+async def wait_until(condition, timeout: float) -> float:
+    """Seconds until ``condition()`` held; fails past ``timeout``."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, "condition not met in time"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - started
+
+
+async def test_a_waiting_mirror_gets_a_change_at_once(pooled_tracker):
+    """The poll waits up to a minute for a change; a change must end the wait (a
+    poll that only returned at its timeout would fail this test)."""
+    mirror = TrackerMirror(
+        lambda since, wait: pooled_tracker.mirror_changes(0, since, wait),
+        rpc_timeout_s=2,
+        wait_s=60,
+    )
+    task = asyncio.create_task(mirror.run())
+    try:
+        await wait_until(lambda: mirror.ready, 5)
+        await asyncio.sleep(0.2)  # the next poll is now waiting in the tracker
+        polls = mirror.polls
+        await pooled_tracker.register_blocks(1, KEYS[:3])
+        waited = await wait_until(lambda: mirror.query(0, KEYS) is not None, 2)
+        assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 3)
+        assert mirror.polls == polls + 1
+        assert waited < 1.0
+        # and its next poll tells the tracker how far it is
+        deadline = time.monotonic() + 2
+        while (await pooled_tracker.mirror_versions()).get(0) != mirror.version:
+            assert time.monotonic() < deadline, "the mirror's version never arrived"
+            await asyncio.sleep(0.005)
+        assert (await pooled_tracker.mirror_versions())[-1] == mirror.version
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_mirror_that_loses_the_tracker_is_not_ready_until_it_is_back(
+    pooled_tracker,
+):
+    outage = asyncio.Event()
+
+    async def fetch(since: int, wait: float) -> TrackerChanges:
+        if outage.is_set():
+            raise ConnectionRefusedError("the supervisor's pool is gone")
+        return await pooled_tracker.mirror_changes(0, since, wait)
+
+    mirror = TrackerMirror(fetch, rpc_timeout_s=1, wait_s=0.1, retry_s=0.01)
+    task = asyncio.create_task(mirror.run())
+    try:
+        await wait_until(lambda: mirror.ready, 5)
+        outage.set()
+        await wait_until(lambda: not mirror.ready, 2)
+        await pooled_tracker.register_blocks(1, KEYS[:2])
+        outage.clear()
+        await wait_until(lambda: mirror.ready and mirror.query(0, KEYS), 5)
+        assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 2)
+        assert mirror.failures >= 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
