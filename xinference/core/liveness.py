@@ -9,11 +9,12 @@ One ``LivenessMonitor`` per ready deployment, in the supervisor's process. Every
    vLLM notices at once that its engine-core process died), under ``probe_s``.
 
 A replica whose process exited, whose engine died or whose actor no longer exists
-is *gone*: the supervisor records why, the block tracker forgets it (no peer is
+in its running pool is *gone*: the supervisor records why, the block tracker forgets it (no peer is
 sent there for a prefix again), the front end stops routing to it, and its
 sub-pool is removed with whatever it spawned. A replica that misses a probe's
-deadline (stopped, or too busy to answer) is *unresponsive*: requests go to the
-others until it answers again.
+deadline (stopped, or too busy to answer) or cannot be reached (its host may be
+lost: that is the worker heartbeat's to declare) is *unresponsive*: requests go
+to the others until it answers again.
 
 Bound: a death is noticed within ``interval_s + probe_s`` of happening (a dead
 engine or process answers at once, so in practice within ``interval_s`` plus a
@@ -134,8 +135,20 @@ class LivenessMonitor:
                 record.unresponsive[rank] = (
                     f"no answer to a health probe in {self._probe_s:.0f} s"
                 )
+            elif isinstance(outcome, xo.ActorNotExist):  # its pool runs, it not
+                dead[rank] = "its model actor no longer exists"
             elif isinstance(outcome, UNREACHABLE):
-                dead[rank] = f"its actor is unreachable ({outcome!r})"
+                # Its process or its host: a dead sub-pool is the worker's to
+                # report (above), a lost worker the heartbeat's; until then no
+                # requests go there.
+                if rank not in record.unresponsive:
+                    logger.warning(
+                        "%s replica %d unreachable (%r): routing around it",
+                        uid,
+                        rank,
+                        outcome,
+                    )
+                record.unresponsive[rank] = f"unreachable ({outcome!r})"
             elif isinstance(outcome, BaseException):
                 dead[rank] = f"its health probe failed ({outcome!r})"
             elif outcome is not None:
