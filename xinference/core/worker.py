@@ -327,6 +327,9 @@ def _kill_pid(pid: int) -> None:
 def _reap(processes: list[psutil.Process], timeout: float, owner: str) -> list[int]:
     """Wait for ``processes`` to exit; kill and report those that do not."""
     _, alive = psutil.wait_procs(processes, timeout=timeout)
+    # A zombie has exited; one whose parent died waits for init to reap it (on
+    # some hosts init never does), and no signal changes that: not a leftover.
+    alive = [process for process in alive if not _is_zombie(process)]
     for process in alive:
         logger.warning(
             "process %d (%s) outlived sub-pool %s; killing it",
@@ -340,6 +343,13 @@ def _reap(processes: list[psutil.Process], timeout: float, owner: str) -> list[i
             pass
     psutil.wait_procs(alive, timeout=timeout)
     return [process.pid for process in alive]
+
+
+def _is_zombie(process: psutil.Process) -> bool:
+    try:
+        return bool(process.status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _name(process: psutil.Process) -> str:
