@@ -10,12 +10,13 @@ import asyncio
 import pytest
 import xoscar as xo
 
-from xinference.core.dispatch import ReplicaDispatcher
+from xinference.core.dispatch import ReplicaDispatcher, ReplicaUnavailable
 from xinference.core.messages import (
     DeploymentInfo,
     GenerationChunk,
     GenerationRequest,
     ReplicaInfo,
+    ReplicaStates,
     StreamBatch,
 )
 from xinference.core.options import RouterSettings
@@ -167,6 +168,56 @@ async def test_a_stream_left_early_is_aborted_on_the_replica(pool):
     await stream.aclose()
     assert await replicas[0].closed_streams() == ["req-3"]
     assert dispatcher.in_flight == (0, 0)
+
+
+async def test_gone_and_unresponsive_replicas_get_no_requests(pool):
+    dispatcher, _, _ = await make(pool, RoundRobinRouter(), num_replicas=3)
+    dispatcher.update_states(ReplicaStates(gone={1: "its vLLM engine core died"}))
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(4)} == {0, 2}
+    dispatcher.update_states(
+        ReplicaStates(gone={1: "dead"}, unresponsive={2: "no answer"})
+    )
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(3)} == {0}
+    # every live replica unresponsive: wait on them rather than refuse
+    dispatcher.update_states(
+        ReplicaStates(gone={1: "dead"}, unresponsive={0: "x", 2: "y"})
+    )
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(4)} == {0, 2}
+    # answering again: back in turn
+    dispatcher.update_states(ReplicaStates(gone={1: "dead"}))
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(4)} == {0, 2}
+
+
+async def test_a_request_whose_replica_vanished_is_served_by_another(pool):
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter())
+    await xo.destroy_actor(replicas[0])
+    route = await dispatcher.route([1, 2, 3])
+    assert route.rank == 0
+    chunk, rank = await dispatcher.serve(route, request([1, 2, 3]))
+    assert (chunk.text, rank) == ("r1", 1)
+    assert (dispatcher.replica_failures, dispatcher.retries) == (1, 1)
+    assert dispatcher.in_flight == (0, 0)
+    # the failed replica is avoided for a while even before the supervisor knows
+    assert {(await dispatcher.route([1, 2])).rank for _ in range(3)} == {1}
+    # a stream that fails before its first chunk is sent to the other replica too
+    dispatcher._suspect.clear()
+    route = await dispatcher.route([1, 2, 3])
+    if route.rank != 0:  # round robin: the next one is replica 0
+        route = await dispatcher.route([1, 2, 3])
+    assert route.rank == 0
+    seen = [
+        (chunk.text, rank)
+        async for chunk, rank in dispatcher.stream_served(route, request([1, 2, 3]))
+    ]
+    assert seen == [("r1-0", 1), ("r1-1", 1), ("r1-2", 1)]
+
+
+async def test_a_vanished_replica_with_no_other_is_a_clear_failure(pool):
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter(), num_replicas=1)
+    await xo.destroy_actor(replicas[0])
+    route = await dispatcher.route([1, 2, 3])
+    with pytest.raises(ReplicaUnavailable, match="replica 0 of m at .* unreachable"):
+        await dispatcher.serve(route, request([1, 2, 3]))
 
 
 # ---- replicas that are gone or unreachable ----------------------------------------

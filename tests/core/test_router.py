@@ -67,3 +67,29 @@ def test_make_router_by_name():
     assert isinstance(router, CacheAwareRouter) and router.busy_margin == 5
     with pytest.raises(ValueError, match="unknown router"):
         make_router("random")
+
+
+def test_round_robin_skips_unavailable_replicas_and_keeps_its_turn():
+    router = RoundRobinRouter()
+    facts = RouteFacts(in_flight=(0, 0, 0), available=(True, False, True))
+    assert [router.choose(facts) for _ in range(4)] == [0, 2, 0, 2]
+    everyone = RouteFacts(in_flight=(0, 0, 0))
+    # after 2 comes 0, then 1: every replica in turn again
+    assert [router.choose(everyone) for _ in range(3)] == [0, 1, 2]
+
+
+def test_cache_aware_never_picks_an_unavailable_holder_or_replica():
+    router = CacheAwareRouter(busy_margin=5)
+    facts = RouteFacts(
+        in_flight=(3, 0, 1), holder=1, prefix_blocks=4, available=(True, False, True)
+    )
+    # the holder is idle but unavailable; of the others replica 2 is least busy
+    assert router.choose(facts) == 2
+    assert router.choose(facts) == 2
+
+
+def test_route_facts_need_an_available_replica():
+    with pytest.raises(ValueError, match="at least one available"):
+        RouteFacts(in_flight=(0, 0), available=(False, False))
+    with pytest.raises(ValueError, match="differ in length"):
+        RouteFacts(in_flight=(0, 0), available=(True,))

@@ -44,7 +44,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from ..core.dispatch import ReplicaDispatcher, ReplicaUnavailable, Route
-from ..core.messages import DeploymentInfo, GenerationChunk, GenerationRequest
+from ..core.messages import (
+    DeploymentInfo,
+    GenerationChunk,
+    GenerationRequest,
+    ServiceUnavailable,
+)
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
 from ..core.options import LaunchOptionError
 from ..core.supervisor import LaunchCancelled, SupervisorActor
@@ -82,7 +87,10 @@ class ModelHub:
         dispatcher = self._dispatchers.get(model_uid)
         if dispatcher is not None:
             if time.monotonic() - dispatcher.gone_checked > GONE_REFRESH_S:
-                dispatcher.update_gone(await self.supervisor.gone_replicas(model_uid))
+                # gone (worker lost, engine or process dead) and unresponsive
+                dispatcher.update_states(
+                    await self.supervisor.replica_states(model_uid)
+                )
             return dispatcher
         async with self._locks.setdefault(model_uid, asyncio.Lock()):
             dispatcher = self._dispatchers.get(model_uid)
@@ -136,9 +144,18 @@ def create_app(supervisor_address: str) -> FastAPI:
     async def _cancelled(_: Request, error: LaunchCancelled) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=409)
 
-    @app.exception_handler(ReplicaUnavailable)
-    async def _unavailable(_: Request, error: ReplicaUnavailable) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=503)
+    async def _unavailable(_: Request, error: Exception) -> JSONResponse:
+        # A replica died under the request, or none can serve: the model's other
+        # replicas (if any) keep serving, so the client may retry.
+        message = str(error)
+        body = {
+            "detail": message,
+            "error": {"message": message, "type": "server_error", "code": 503},
+        }
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+    app.add_exception_handler(ServiceUnavailable, _unavailable)
+    app.add_exception_handler(ReplicaUnavailable, _unavailable)
 
     @app.exception_handler(LookupError)
     async def _not_found(_: Request, error: LookupError) -> JSONResponse:
@@ -195,6 +212,8 @@ def create_app(supervisor_address: str) -> FastAPI:
                 "replica": item.replicas_total,
                 "replicas_ready": item.replicas_ready,
             }
+            if item.state == "degraded":  # which replicas do not serve, and why
+                entry["detail"] = item.detail
             if deployment is not None:
                 entry |= _upstream_description(deployment)
                 entry["xavier"] = deployment.xavier_description
@@ -303,8 +322,9 @@ def create_app(supervisor_address: str) -> FastAPI:
             return _sse(
                 dispatcher, route, request, chunk_json, headers, body.include_usage()
             )
-        chunk = await _generate(dispatcher, route, request)
+        chunk, rank = await _generate(dispatcher, route, request)
         payload = chunk_json(chunk) | {"usage": _usage(chunk)}
+        headers[REPLICA_HEADER] = str(rank)
         return JSONResponse(payload, headers=headers | _load_headers(chunk))
 
     @app.post("/v1/chat/completions")
@@ -337,7 +357,8 @@ def create_app(supervisor_address: str) -> FastAPI:
             return _sse(
                 dispatcher, route, request, chunk_json, headers, body.include_usage()
             )
-        chunk = await _generate(dispatcher, route, request)
+        chunk, rank = await _generate(dispatcher, route, request)
+        headers[REPLICA_HEADER] = str(rank)
         payload = {
             "id": request.request_id,
             "object": "chat.completion",
@@ -421,9 +442,9 @@ def _generation_request(
 
 async def _generate(
     dispatcher: ReplicaDispatcher, route: Route, request: GenerationRequest
-) -> GenerationChunk:
+) -> tuple[GenerationChunk, int]:
     try:
-        return await dispatcher.generate(route, request)
+        return await dispatcher.serve(route, request)
     except ValueError as error:  # vLLM's request validation (too long, ...)
         raise InvalidRequest(_message(error)) from None
 
@@ -439,7 +460,9 @@ def _sse(
     async def events() -> AsyncIterator[str]:
         last: GenerationChunk | None = None
         try:
-            async for chunk in dispatcher.stream(route, request):
+            # A replica that fails before the first chunk is replaced once; the
+            # replica header (sent first) then names the one that failed.
+            async for chunk, _ in dispatcher.stream_served(route, request):
                 last = chunk
                 yield f"data: {json.dumps(to_json(chunk))}\n\n"
         except Exception as error:  # the status line is sent: report in-band
@@ -500,7 +523,11 @@ def _deployment_json(deployment: DeploymentInfo) -> dict[str, Any]:
         "xavier": deployment.xavier_description,
         "xavier_enabled": deployment.xavier_enabled,
         "router": dataclasses.asdict(deployment.router),
-        "replicas": [dataclasses.asdict(replica) for replica in deployment.replicas],
+        "replicas": [
+            dataclasses.asdict(replica)
+            | {"state": deployment.replica_state(replica.rank)}
+            for replica in deployment.replicas
+        ],
         "gone": {str(rank): why for rank, why in deployment.gone.items()},
     }
 
@@ -512,8 +539,18 @@ def _replica_states(deployment: DeploymentInfo) -> list[dict[str, Any]]:
             "rank": replica.rank,
             "worker": replica.worker,
             "address": replica.address,
-            "state": "gone" if replica.rank in deployment.gone else "ready",
-            "reason": deployment.gone.get(replica.rank),
+            "state": (
+                "gone"
+                if replica.rank in deployment.gone
+                else (
+                    "unresponsive"
+                    if replica.rank in deployment.unresponsive
+                    else "ready"
+                )
+            ),
+            "reason": deployment.gone.get(
+                replica.rank, deployment.unresponsive.get(replica.rank)
+            ),
         }
         for replica in deployment.replicas
     ]

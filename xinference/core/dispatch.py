@@ -13,15 +13,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import xoscar as xo
 
 from ..model.llm.vllm.xavier.hashing import hash_full_blocks
 from ..model.llm.vllm.xavier.stats import LatencyRecorder
-from .messages import DeploymentInfo, GenerationChunk, GenerationRequest
+from .messages import (
+    DeploymentInfo,
+    GenerationChunk,
+    GenerationRequest,
+    ReplicaFailed,
+    ReplicaStates,
+)
 from .prompting import PromptRenderer
 from .router import RouteFacts, Router, make_router
 
@@ -43,6 +49,11 @@ _UNREACHABLE = (ConnectionError, xo.errors.ServerClosed, xo.ActorNotExist)
 
 class ReplicaUnavailable(RuntimeError):
     """The chosen replica (or every replica) cannot serve: gone or unreachable."""
+
+
+T = TypeVar("T")
+# What a request's replica failing looks like here: it is sent once to another.
+_FAILED = (ReplicaUnavailable, ReplicaFailed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +134,16 @@ class ReplicaDispatcher:
         # on it (a replica cut off by the network would otherwise hold them until
         # REQUEST_TIMEOUT_S)
         self._gone_events: dict[int, asyncio.Event] = {}
+        # rank -> why it missed its last health probe (the supervisor's liveness
+        # monitor): no requests until it answers, unless no other replica can
+        self.unresponsive: dict[int, str] = dict(deployment.unresponsive)
+        self.replica_failures = 0  # requests a replica failed (re-sent or not)
+        self.retries = 0  # of those, sent again to another replica
+
+    def update_states(self, states: ReplicaStates) -> None:
+        """The supervisor's current gone and unresponsive replicas."""
+        self.unresponsive = dict(states.unresponsive)
+        self.update_gone(states.gone)
 
     def update_gone(self, gone: dict[int, str]) -> None:
         """The supervisor's current list of gone replicas."""
@@ -133,14 +154,20 @@ class ReplicaDispatcher:
         for rank in gone:
             self._suspect.pop(rank, None)
 
-    def live_ranks(self) -> list[int]:
+    def live_ranks(self, exclude: int | None = None) -> list[int]:
+        """Replicas a request may go to: not gone, not suspected after a failure,
+        not unresponsive (unless every other one is: better to wait on a slow
+        replica than to refuse)."""
         now = time.monotonic()
-        return [
+        live = [
             rank
             for rank in range(len(self._replicas))
             if rank not in self.gone
+            and rank != exclude
             and now - self._suspect.get(rank, -SUSPECT_S) >= SUSPECT_S
         ]
+        answering = [rank for rank in live if rank not in self.unresponsive]
+        return answering or live
 
     @classmethod
     async def connect(cls, deployment: DeploymentInfo) -> ReplicaDispatcher:
@@ -165,7 +192,21 @@ class ReplicaDispatcher:
         holder, blocks = None, 0
         if self._router.needs_prefix:
             holder, blocks = await self._longest_prefix(prompt_token_ids)
-        live = self.live_ranks()
+        return self._choose(holder, blocks, self.live_ranks())
+
+    async def _reroute(self, failed: Exception, route: Route) -> Route | None:
+        """After ``route``'s replica failed a request before any output went out:
+        another replica for it, or None when there is none."""
+        self.replica_failures += 1
+        self._suspect[route.rank] = time.monotonic()
+        live = self.live_ranks(exclude=route.rank)
+        if not live:
+            return None
+        self.retries += 1
+        logger.warning("%s; sending the request to another replica", failed)
+        return self._choose(route.holder, route.prefix_blocks, live)
+
+    def _choose(self, holder: int | None, blocks: int, live: list[int]) -> Route:
         if not live:
             reasons = "; ".join(
                 f"replica {rank}: {why}" for rank, why in sorted(self.gone.items())
@@ -205,6 +246,38 @@ class ReplicaDispatcher:
         self.latency[route.rank].end_to_end.record(time.monotonic() - started)
         return chunk
 
+    async def serve(
+        self, route: Route, request: GenerationRequest
+    ) -> tuple[GenerationChunk, int]:
+        """The whole output and the rank that produced it: ``route``'s replica, or
+        once another one if that replica failed (nothing was sent to the client
+        yet, so the request can start over)."""
+        try:
+            return await self.generate(route, request), route.rank
+        except _FAILED as failed:
+            retry = await self._reroute(failed, route)
+            if retry is None:
+                raise
+        return await self.generate(retry, request), retry.rank
+
+    async def stream_served(
+        self, route: Route, request: GenerationRequest
+    ) -> AsyncIterator[tuple[GenerationChunk, int]]:
+        """``stream``, sent once more to another replica if ``route``'s failed
+        before its first chunk; each chunk with the rank that produced it."""
+        produced = False
+        try:
+            async for chunk in self.stream(route, request):
+                produced = True
+                yield chunk, route.rank
+            return
+        except _FAILED as failed:
+            retry = None if produced else await self._reroute(failed, route)
+            if retry is None:
+                raise
+        async for chunk in self.stream(retry, request):
+            yield chunk, retry.rank
+
     async def stream(
         self, route: Route, request: GenerationRequest
     ) -> AsyncIterator[GenerationChunk]:
@@ -216,7 +289,7 @@ class ReplicaDispatcher:
         deadline = started + REQUEST_TIMEOUT_S
         latency, first_token = self.latency[route.rank], True
         with self._counted(route.rank), self._reachable(route.rank):
-            await asyncio.wait_for(replica.open_stream(request), RPC_MARGIN_S)
+            await _bounded(replica.open_stream(request), RPC_MARGIN_S)
             done = False
             try:
                 while not done:
@@ -225,10 +298,17 @@ class ReplicaDispatcher:
                             f"request {request.request_id} ran past "
                             f"{REQUEST_TIMEOUT_S:.0f} s"
                         )
-                    batch = await asyncio.wait_for(
-                        replica.next_chunks(request.request_id, STREAM_POLL_S),
-                        STREAM_POLL_S + RPC_MARGIN_S,
-                    )
+                    try:
+                        batch = await _bounded(
+                            replica.next_chunks(request.request_id, STREAM_POLL_S),
+                            STREAM_POLL_S + RPC_MARGIN_S,
+                        )
+                    except TimeoutError:
+                        raise ReplicaFailed(
+                            route.rank,
+                            f"no answer to a stream poll in "
+                            f"{STREAM_POLL_S + RPC_MARGIN_S:.1f} s",
+                        ) from None
                     done = batch.done
                     for chunk in batch.chunks:
                         if first_token and chunk.token_ids:
@@ -245,7 +325,7 @@ class ReplicaDispatcher:
 
     async def _close_stream(self, replica: Any, request_id: str) -> None:
         try:
-            await asyncio.wait_for(replica.close_stream(request_id), RPC_MARGIN_S)
+            await _bounded(replica.close_stream(request_id), RPC_MARGIN_S)
         except (TimeoutError, *_UNREACHABLE) as error:
             logger.warning("could not abort stream %s: %r", request_id, error)
 
@@ -269,7 +349,7 @@ class ReplicaDispatcher:
         if not keys:
             return None, 0
         try:
-            hit = await asyncio.wait_for(
+            hit = await _bounded(
                 self._tracker.query_prefix(-1, keys), TRACKER_TIMEOUT_S
             )
         except (TimeoutError, xo.ActorNotExist, ConnectionError) as error:
@@ -330,3 +410,16 @@ class ReplicaDispatcher:
             yield
         finally:
             self._in_flight[rank] -= 1
+
+
+async def _bounded(call: Awaitable[T], timeout: float) -> T:
+    """``call`` (an actor call) under a deadline that holds even when the peer is
+    stopped: ``asyncio.wait_for`` would wait for the cancelled call, and xoscar
+    cancels a call by asking the peer, which never answers. Our own caller being
+    cancelled still cancels the call (that is how an abort reaches a replica)."""
+    task = asyncio.ensure_future(call)
+    try:
+        return cast(T, await xo.wait_for(task, timeout))
+    except asyncio.CancelledError:
+        task.cancel()
+        raise

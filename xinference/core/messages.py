@@ -80,12 +80,50 @@ class DeploymentInfo:
     created: float = 0.0
     model_name: str = ""  # the registry name, or the model directory's name
     quantization: str | None = None  # as given to vLLM, None: the checkpoint's own
-    # rank -> why the replica is out of service (its worker was lost, ...)
+    # rank -> why the replica is out of service: gone for good (its worker was
+    # lost, its engine or process died) or, for now, missing health probes
     gone: dict[int, str] = field(default_factory=dict)
+    unresponsive: dict[int, str] = field(default_factory=dict)
 
     @property
     def block_size(self) -> int:
         return self.replicas[0].block_size
+
+    def replica_state(self, rank: int) -> str:
+        """ "serving", "unresponsive: <why>" or "gone: <why>"."""
+        if rank in self.gone:
+            return f"gone: {self.gone[rank]}"
+        if rank in self.unresponsive:
+            return f"unresponsive: {self.unresponsive[rank]}"
+        return "serving"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStates:
+    """Which replicas of a model must not get requests: ``gone`` (dead for good:
+    its engine or its process died; rank -> reason) and ``unresponsive`` (missed
+    its last health probe; it serves again once it answers)."""
+
+    gone: dict[int, str] = field(default_factory=dict)
+    unresponsive: dict[int, str] = field(default_factory=dict)
+
+
+class ServiceUnavailable(RuntimeError):
+    """No replica can take the request now (the HTTP API answers 503)."""
+
+
+class ReplicaFailed(ServiceUnavailable):
+    """A replica could not finish a request: its engine or its process died, or it
+    stopped answering. The model's other replicas keep serving."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"replica {rank} failed: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ReplicaFailed], tuple[int, str]]:
+        # Pickled across processes (xoscar): rebuild from the two fields.
+        return (type(self), (self.rank, self.reason))
 
 
 @dataclass(frozen=True, slots=True)

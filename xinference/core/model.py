@@ -27,6 +27,7 @@ from ..model.llm.vllm.xavier.stats import XavierStats
 from .messages import (
     GenerationChunk,
     GenerationRequest,
+    ReplicaFailed,
     ReplicaInfo,
     ReplicaReport,
     ReplicaSpec,
@@ -77,6 +78,8 @@ class ReplicaModelActor(xo.StatelessActor):
         self._streams: dict[str, _Stream] = {}  # request id -> its stream
         self._reaper: asyncio.Task[None] | None = None
         self._transfer: Any = None  # the transfer actor's ref, once created
+        self._loaded = False  # the engine started once
+        self._loaded_xavier = False  # the transfer actor was created once
         self._requests_total = 0
         self._in_flight = 0
         self._prompt_tokens = 0
@@ -101,6 +104,7 @@ class ReplicaModelActor(xo.StatelessActor):
         started = time.monotonic()
         engine = await asyncio.to_thread(VLLMEngine.start, self._spec)
         self._engine = engine
+        self._loaded = True
         await engine.warm_up()
         self._load_seconds = time.monotonic() - started
         return ReplicaInfo(
@@ -143,6 +147,7 @@ class ReplicaModelActor(xo.StatelessActor):
             address=self.address,
             uid=settings.transfer_uid,
         )
+        self._loaded_xavier = True
         return settings.transfer_uid
 
     async def wait_xavier_ready(self, timeout_s: float) -> None:
@@ -210,6 +215,17 @@ class ReplicaModelActor(xo.StatelessActor):
             transfer_actor_alive=self._transfer is not None,
         )
 
+    async def health(self) -> str | None:
+        """Why this replica can no longer serve, or None while it can. Cheap: the
+        supervisor's liveness monitor asks every second (``core/liveness.py``)."""
+        if self._engine is None:
+            return "its engine is not running" if self._loaded else None
+        if self._engine.dead:
+            return "its vLLM engine core died"
+        if self._spec.xavier is not None and self._loaded_xavier and not self._transfer:
+            return "its Xavier transfer actor is gone"
+        return None
+
     async def stats(self) -> ReplicaStats:
         xavier = None
         if self._transfer is not None:
@@ -236,6 +252,8 @@ class ReplicaModelActor(xo.StatelessActor):
         try:
             async for chunk in engine.generate(request, stream=False):
                 final = chunk
+        except Exception as error:
+            raise self._failure(engine, error) from None
         finally:
             self._end(final)
         if final is None:
@@ -293,7 +311,7 @@ class ReplicaModelActor(xo.StatelessActor):
             stream.queue.put_nowait(_End(RuntimeError("stream aborted")))
             raise
         except Exception as error:  # handed to the consumer, which raises it
-            stream.queue.put_nowait(_End(error))
+            stream.queue.put_nowait(_End(self._failure(engine, error)))
         else:
             stream.queue.put_nowait(_End())
         finally:
@@ -325,6 +343,16 @@ class ReplicaModelActor(xo.StatelessActor):
         if last is not None:
             self._generated_tokens += last.completion_tokens
             self._cached_prompt_tokens += last.cached_prompt_tokens or 0
+
+    def _failure(self, engine: VLLMEngine, error: Exception) -> Exception:
+        """``error`` as the caller should see it: a dead engine is this replica's
+        failure (the front end answers 503 and routes elsewhere), anything else
+        (vLLM refusing a request, ...) stays what it was."""
+        if engine.dead:
+            return ReplicaFailed(
+                self._spec.rank, f"its vLLM engine core died ({error!r})"
+            )
+        return error
 
     def _require_engine(self) -> VLLMEngine:
         if self._engine is None:

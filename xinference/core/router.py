@@ -20,19 +20,33 @@ class RouteFacts:
     ``in_flight[r]`` is the number of requests replica ``r`` is serving now.
     ``holder`` is the replica the block tracker says holds the longest published
     prefix of the prompt (None: nobody), and ``prefix_blocks`` that prefix's length.
+    ``available[r]`` says whether replica ``r`` may get the request (a dead or
+    unresponsive one may not); None: all may.
     """
 
     in_flight: tuple[int, ...]
     holder: int | None = None
     prefix_blocks: int = 0
+    available: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.in_flight:
             raise ValueError("a route needs at least one replica")
+        if self.available is not None:
+            if len(self.available) != len(self.in_flight):
+                raise ValueError("available and in_flight differ in length")
+            if not any(self.available):
+                raise ValueError("a route needs at least one available replica")
         if self.holder is not None and not 0 <= self.holder < len(self.in_flight):
             raise ValueError(
                 f"holder {self.holder} outside ranks 0..{len(self.in_flight) - 1}"
             )
+
+    def ranks(self) -> list[int]:
+        """The ranks that may get the request."""
+        if self.available is None:
+            return list(range(len(self.in_flight)))
+        return [rank for rank, ok in enumerate(self.available) if ok]
 
 
 class Router(Protocol):
@@ -50,9 +64,14 @@ class RoundRobinRouter:
         self._next = 0
 
     def choose(self, facts: RouteFacts) -> int:
-        rank = self._next % len(facts.in_flight)
-        self._next = rank + 1
-        return rank
+        size = len(facts.in_flight)
+        allowed = set(facts.ranks())
+        for step in range(size):  # the next available rank in turn
+            rank = (self._next + step) % size
+            if rank in allowed:
+                self._next = rank + 1
+                return rank
+        raise AssertionError("unreachable: RouteFacts has an available rank")
 
 
 class CacheAwareRouter:
@@ -74,14 +93,18 @@ class CacheAwareRouter:
         self._rotation = 0
 
     def choose(self, facts: RouteFacts) -> int:
-        least = min(facts.in_flight)
-        if facts.holder is not None and facts.prefix_blocks > 0:
+        ranks = facts.ranks()
+        least = min(facts.in_flight[rank] for rank in ranks)
+        if facts.holder in ranks and facts.prefix_blocks > 0:
+            assert facts.holder is not None
             if facts.in_flight[facts.holder] - least <= self.busy_margin:
                 return facts.holder
-        return self._least_busy(facts.in_flight, least)
+        return self._least_busy(facts.in_flight, ranks, least)
 
-    def _least_busy(self, in_flight: Sequence[int], least: int) -> int:
-        candidates = [rank for rank, load in enumerate(in_flight) if load == least]
+    def _least_busy(
+        self, in_flight: Sequence[int], ranks: list[int], least: int
+    ) -> int:
+        candidates = [rank for rank in ranks if in_flight[rank] == least]
         rank = candidates[self._rotation % len(candidates)]
         self._rotation += 1
         return rank

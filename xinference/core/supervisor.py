@@ -31,12 +31,14 @@ import xoscar as xo
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
 from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
 from .heartbeat import HeartbeatSettings, WorkerLiveness, watch_workers
+from .liveness import LivenessMonitor
 from .messages import (
     DeploymentInfo,
     LaunchProgress,
     ReplicaInfo,
     ReplicaReport,
     ReplicaSpec,
+    ReplicaStates,
     ReplicaStats,
     format_counters,
 )
@@ -52,6 +54,7 @@ POOL_START_TIMEOUT_S = 120.0
 RPC_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 120.0
 XAVIER_READY_TIMEOUT_S = 120.0
+TRACKER_FORGET_TIMEOUT_S = 5.0
 PROGRESS_LOG_INTERVAL_S = 10.0
 
 T = TypeVar("T")
@@ -83,18 +86,34 @@ class _Deployment:
     model_path: str = ""
     ucx: str = ""  # the UCX transports the replicas may use (placement's account)
     task: asyncio.Task[DeploymentInfo] | None = None  # the launch, while it runs
-    gone: dict[int, str] = field(default_factory=dict)  # rank -> why it is gone
+    # rank -> why it is gone for good (worker lost; engine or process died)
+    gone: dict[int, str] = field(default_factory=dict)
+    # rank -> why it gets no requests for now (missed its last health probe)
+    unresponsive: dict[int, str] = field(default_factory=dict)
+    monitor: asyncio.Task[None] | None = None  # replica liveness, while ready
 
     def live_ranks(self, ranks: Iterable[int]) -> list[int]:
         return sorted(rank for rank in ranks if rank not in self.gone)
 
     def progress(self) -> LaunchProgress:
+        state, detail = self.state, self.detail
+        if state == "ready" and (self.gone or self.unresponsive):
+            # Still serving on the others: say which replicas are not and why.
+            state = "degraded"
+            detail = "; ".join(
+                [f"replica {r} gone: {why}" for r, why in sorted(self.gone.items())]
+                + [
+                    f"replica {r} unresponsive: {why}"
+                    for r, why in sorted(self.unresponsive.items())
+                ]
+            )
         return LaunchProgress(
             model_uid=self.spec.model_uid,
-            state=self.state,
-            replicas_ready=len(self.live_ranks(self.replicas)),
+            state=state,
+            replicas_ready=len(self.live_ranks(self.replicas))
+            - len([r for r in self.unresponsive if r not in self.gone]),
             replicas_total=self.spec.replica,
-            detail=self.detail,
+            detail=detail,
             elapsed_s=time.monotonic() - self.started,
         )
 
@@ -202,6 +221,7 @@ class SupervisorActor(xo.StatelessActor):
             return
         for rank in new:
             record.gone[rank] = reason
+            record.unresponsive.pop(rank, None)
         if record.tracker is not None:
             for rank in new:
                 try:
@@ -327,6 +347,9 @@ class SupervisorActor(xo.StatelessActor):
         record.state = "ready"
         record.detail = f"ready in {time.monotonic() - record.started:.1f} s"
         logger.info("%s is ready: %s", uid, record.detail)
+        record.monitor = asyncio.create_task(
+            LivenessMonitor(record, self._mark_replicas_gone).run()
+        )
         return self._deployment_info(record)
 
     async def _launch(self, record: _Deployment) -> None:
@@ -492,6 +515,15 @@ class SupervisorActor(xo.StatelessActor):
                 progress.elapsed_s,
             )
 
+    # ---- replica failures ---------------------------------------------------------
+
+    async def replica_states(self, model_uid: str) -> ReplicaStates:
+        """Which replicas must get no requests now (the front end asks often)."""
+        record = self._record(model_uid)
+        return ReplicaStates(
+            gone=dict(record.gone), unresponsive=dict(record.unresponsive)
+        )
+
     # ---- queries ------------------------------------------------------------------
 
     async def progress(self, model_uid: str) -> LaunchProgress:
@@ -518,7 +550,7 @@ class SupervisorActor(xo.StatelessActor):
         record = self._record(model_uid)
         return await _all(
             _deadline(record.models[rank].report(), RPC_TIMEOUT_S)
-            for rank in record.live_ranks(record.models)
+            for rank in _serving(record)
         )
 
     async def collect_stats(self, model_uid: str) -> list[ReplicaStats]:
@@ -527,7 +559,7 @@ class SupervisorActor(xo.StatelessActor):
             return []
         return await _all(
             _deadline(record.models[rank].stats(), RPC_TIMEOUT_S)
-            for rank in record.live_ranks(record.models)
+            for rank in _serving(record)
         )
 
     # ---- terminate ----------------------------------------------------------------
@@ -543,6 +575,9 @@ class SupervisorActor(xo.StatelessActor):
             raise LaunchOptionError(f"model {model_uid!r} is {record.state}")
         record.state = "terminating"
         record.detail = "terminating"
+        if record.monitor is not None:
+            record.monitor.cancel()
+            await asyncio.gather(record.monitor, return_exceptions=True)
         try:
             return await self._teardown(record)
         finally:
@@ -641,7 +676,17 @@ class SupervisorActor(xo.StatelessActor):
             created=record.created,
             model_name=spec.model_name or Path(record.model_path).name,
             quantization=dict(spec.engine.extra).get("quantization"),
+            unresponsive=dict(record.unresponsive),
         )
+
+
+def _serving(record: _Deployment) -> list[int]:
+    """Ranks that can answer now (not gone, not missing health probes)."""
+    return [
+        rank
+        for rank in sorted(record.models)
+        if rank not in record.gone and rank not in record.unresponsive
+    ]
 
 
 def _host(address: str) -> str:

@@ -188,6 +188,12 @@ class VLLMEngine:
                 external_holder_rank=holder,
             )
 
+    @property
+    def dead(self) -> bool:
+        """Whether the engine can no longer serve: its engine-core process died
+        (vLLM's own monitor notices at once) or its output loop ended."""
+        return self._engine is None or bool(self._engine.errored)
+
     def shutdown(self) -> None:
         """Stop the engine core and its worker processes. Blocking: use a thread."""
         engine, self._engine = self._engine, None

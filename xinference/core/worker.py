@@ -52,6 +52,10 @@ class WorkerActor(xo.StatelessActor):
         self._gpus: tuple[str, ...] | None = None if gpus is None else tuple(gpus)
         # sub-pool address -> the pid of its process (for the leftover check)
         self._sub_pools: dict[str, int] = {}
+        # sub-pool address -> the processes it spawned, as last seen: a sub-pool
+        # that dies leaves its children (vLLM's engine core) to init, where
+        # ``remove_replica`` could no longer find them
+        self._spawned: dict[str, list[psutil.Process]] = {}
         self._heartbeat_settings = heartbeat or HeartbeatSettings.from_env()
         self._heartbeat: asyncio.Task[None] | None = None
         self._supervisor: Any = None
@@ -178,7 +182,31 @@ class WorkerActor(xo.StatelessActor):
             address=address,
             uid=model_actor_uid(spec.model_uid, spec.rank),
         )
-        return await actor.load()
+        info = await actor.load()
+        await self.replica_health([address])  # remember what the engine spawned
+        return info
+
+    async def replica_health(self, addresses: Sequence[str]) -> dict[str, str | None]:
+        """For each sub-pool address: why its process is gone, or None while it
+        runs. Also refreshes the record of what each sub-pool spawned."""
+        health: dict[str, str | None] = {}
+        for address in addresses:
+            pid = self._sub_pools.get(address)
+            if pid is None:
+                health[address] = "its sub-pool was removed"
+                continue
+            process = self._pool.sub_processes.get(address)
+            code = None if process is None else process.returncode
+            if code is None:
+                seen = await asyncio.to_thread(_descendants_if_alive, pid)
+                if seen is not None:
+                    self._spawned[address] = _merge(self._spawned.get(address), seen)
+                    health[address] = None
+                    continue
+            health[address] = f"its sub-pool process {pid} exited" + (
+                "" if code is None else f" (code {code})"
+            )
+        return health
 
     async def remove_replica(self, address: str) -> list[int]:
         """Stop a replica's sub-pool; the pids that had to be killed (ideally none).
@@ -189,14 +217,22 @@ class WorkerActor(xo.StatelessActor):
         pid = self._sub_pools.pop(address, None)
         if pid is None:
             return []
-        descendants = await asyncio.to_thread(_descendants, pid)
+        descendants = _merge(
+            self._spawned.pop(address, None),
+            await asyncio.to_thread(_descendants, pid),
+        )
+        process = self._pool.sub_processes.get(address)
+        # A sub-pool that died cannot be asked to stop: only cleaned up.
+        exited = process is None or process.returncode is not None
         try:
             await asyncio.wait_for(
-                self._pool.remove_sub_pool(address), SUB_POOL_STOP_TIMEOUT_S
+                self._pool.remove_sub_pool(address, force=exited),
+                SUB_POOL_STOP_TIMEOUT_S,
             )
         except TimeoutError:
             logger.warning("sub-pool %s did not stop in time; killing it", address)
-            await self._pool.remove_sub_pool(address, force=True)
+            # ``remove_sub_pool`` forgot the pool before it timed out: kill by pid.
+            await asyncio.to_thread(_kill_pid, pid)
         killed = await asyncio.to_thread(
             _reap, descendants, CHILD_EXIT_TIMEOUT_S, address
         )
@@ -234,9 +270,41 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _descendants_if_alive(pid: int) -> list[psutil.Process] | None:
+    """``pid``'s descendants, or None when ``pid`` is dead (a zombie included)."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _merge(
+    known: list[psutil.Process] | None, seen: list[psutil.Process]
+) -> list[psutil.Process]:
+    """``known`` processes still running (psutil checks the pid was not reused)
+    plus the newly ``seen`` ones, each once."""
+    merged = {process.pid: process for process in (known or ()) if process.is_running()}
+    for process in seen:
+        merged.setdefault(process.pid, process)
+    return list(merged.values())
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        psutil.Process(pid).kill()
+    except psutil.NoSuchProcess:
+        pass
+
+
 def _reap(processes: list[psutil.Process], timeout: float, owner: str) -> list[int]:
     """Wait for ``processes`` to exit; kill and report those that do not."""
     _, alive = psutil.wait_procs(processes, timeout=timeout)
+    # A zombie has exited; one whose parent died waits for init to reap it (on
+    # some hosts init never does), and no signal changes that: not a leftover.
+    alive = [process for process in alive if not _is_zombie(process)]
     for process in alive:
         logger.warning(
             "process %d (%s) outlived sub-pool %s; killing it",
@@ -250,6 +318,13 @@ def _reap(processes: list[psutil.Process], timeout: float, owner: str) -> list[i
             pass
     psutil.wait_procs(alive, timeout=timeout)
     return [process.pid for process in alive]
+
+
+def _is_zombie(process: psutil.Process) -> bool:
+    try:
+        return bool(process.status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _name(process: psutil.Process) -> str:

@@ -65,7 +65,11 @@ async def start_local_cluster(
 ) -> LocalCluster:
     """Start the pool, the actors and the HTTP server; ``port=0`` lets the OS pick
     a free port (read it back from ``endpoint``)."""
-    pool = await xo.create_actor_pool(host, n_process=0)
+    # auto_recover off: xoscar would restart a replica's sub-pool that died and
+    # re-create its actors without an engine (and a transfer actor that registers
+    # the dead rank with the tracker again). A dead replica is the supervisor's
+    # to notice and report (``core/liveness.py``).
+    pool = await xo.create_actor_pool(host, n_process=0, auto_recover=False)
     address = pool.external_address
     try:
         supervisor = await xo.create_actor(

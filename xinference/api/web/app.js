@@ -232,8 +232,10 @@ function readyCard(model, stats) {
   card.append(
     el("h3", { text: `${model.id} — ${model.status}` }),
     el("p", { class: "detail", text: `${model.xavier} · router ${model.router} · ${model.replica} replicas` }),
-    stop,
   );
+  // A degraded model still serves on its other replicas: say which do not, and why.
+  if (model.detail) card.append(el("p", { class: "detail degraded", text: model.detail }));
+  card.append(stop);
   if (!stats.length) return card;
   // One column per replica, one row per figure: stays narrow for a few replicas.
   const figures = stats.map((replica) => replicaFigures(replica));
@@ -267,6 +269,9 @@ function fillModelSelects(ready) {
   }
 }
 
+// Ready, or degraded (some replicas gone or unresponsive, the others serve).
+const serving = (model) => model.status === "ready" || model.status === "degraded";
+
 let refreshing = false;
 async function refresh() {
   if (refreshing) return;
@@ -277,7 +282,7 @@ async function refresh() {
     const models = listing.data.data;
     const cards = await Promise.all(models.map(async (model) => {
       const uid = encodeURIComponent(model.id);
-      if (model.status !== "ready") {
+      if (!serving(model)) {
         const progress = await api("GET", `/v1/models/${uid}/progress`);
         return launchingCard(model, progress.ok ? progress.data : null);
       }
@@ -285,7 +290,7 @@ async function refresh() {
       return readyCard(model, stats.ok ? stats.data : []);
     }));
     $("models").replaceChildren(...(cards.length ? cards : [el("p", { class: "empty", text: "No model is launched." })]));
-    fillModelSelects(models.filter((model) => model.status === "ready"));
+    fillModelSelects(models.filter(serving));
     $("connection").textContent = `Updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
     $("connection").textContent = `Cannot reach the server: ${error.message}`;
