@@ -138,8 +138,10 @@ def measure(
         if n >= 50:  # the first ones warm connections and caches
             out[kind].append(elapsed * 1e6)
     side.flush(5)
-    if following is not None:
-        following.cancel()
+    if mirror is not None and following is not None:
+        mirror.stop()  # as the connector does at shutdown: no poll left in flight
+        loop.run(tracker.wake_mirrors(), 5)
+        following.result(5)
     out["trips"] = [trips["queries"] / (lookups + 50), trips["reservations"]]
     return out
 

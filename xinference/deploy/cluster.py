@@ -141,7 +141,11 @@ async def start_worker(
         if endpoint is None:
             raise ValueError("give the supervisor's endpoint or its address")
         supervisor_address = await supervisor_address_of(endpoint)
-    pool = await xo.create_actor_pool(_pool_address(host, worker_port), n_process=0)
+    # auto_recover off, as in xinference-local: a replica sub-pool that died is the
+    # supervisor's to notice (core/liveness.py), not xoscar's to restart engineless
+    pool = await xo.create_actor_pool(
+        _pool_address(host, worker_port), n_process=0, auto_recover=False
+    )
     address = pool.external_address
     try:
         worker = await xo.create_actor(
