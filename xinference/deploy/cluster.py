@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +22,10 @@ import httpx
 import uvicorn
 import xoscar as xo
 
-from ..api.restful_api import create_app
 from ..core.heartbeat import HeartbeatSettings
 from ..core.supervisor import SupervisorActor
 from ..core.worker import WorkerActor
-from .local import SERVER_STOP_TIMEOUT_S, EmbeddedServer, wait_started
+from .local import SERVER_STOP_TIMEOUT_S, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +78,11 @@ async def start_supervisor(
             address=address,
             uid=SupervisorActor.default_uid(),
         )
-        listener = socket.create_server((host, port))
-        config = uvicorn.Config(
-            create_app(address),
-            log_level="warning",
-            access_log=access_log,
-            lifespan="off",
-        )
-        server = EmbeddedServer(config)
-        task = asyncio.create_task(server.serve(sockets=[listener]))
-        await wait_started(server, task)
+        server, task, bound_port = await serve_http(address, host, port, access_log)
     except BaseException:
         await pool.stop()
         raise
-    endpoint = f"http://{host}:{listener.getsockname()[1]}"
+    endpoint = f"http://{host}:{bound_port}"
     logger.info("Xinference supervisor at %s, REST API at %s", address, endpoint)
     return SupervisorNode(pool, supervisor, address, endpoint, server, task)
 

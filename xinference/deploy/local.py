@@ -82,23 +82,32 @@ async def start_local_cluster(
             address=address,
             uid=WorkerActor.default_uid(),
         )
-        listener = socket.create_server((host, port))
-        config = uvicorn.Config(
-            create_app(address),
-            log_level="warning",
-            access_log=access_log,
-            lifespan="off",
-        )
-        server = EmbeddedServer(config)
-        task = asyncio.create_task(server.serve(sockets=[listener]))
-        await wait_started(server, task)
+        server, task, bound_port = await serve_http(address, host, port, access_log)
     except BaseException:
         await pool.stop()
         raise
-    bound_port = listener.getsockname()[1]
     endpoint = f"http://{host}:{bound_port}"
     logger.info("Xinference at %s (supervisor %s)", endpoint, address)
     return LocalCluster(pool, supervisor, address, endpoint, server, task)
+
+
+async def serve_http(
+    supervisor_address: str, host: str, port: int, access_log: bool
+) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
+    """The REST API of the supervisor at ``supervisor_address``, serving on
+    ``host:port`` (0: any free port) once this returns: (server, its task, the
+    port it bound)."""
+    listener = socket.create_server((host, port))
+    config = uvicorn.Config(
+        create_app(supervisor_address),
+        log_level="warning",
+        access_log=access_log,
+        lifespan="off",
+    )
+    server = EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[listener]))
+    await wait_started(server, task)
+    return server, task, listener.getsockname()[1]
 
 
 async def wait_started(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
