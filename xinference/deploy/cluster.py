@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import uvicorn
 import xoscar as xo
 
 from ..core.heartbeat import HeartbeatSettings
 from ..core.supervisor import SupervisorActor
 from ..core.worker import WorkerActor
-from .local import SERVER_STOP_TIMEOUT_S, serve_http
+from .local import SupervisorNode, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -35,28 +34,6 @@ WORKER_LEAVE_TIMEOUT_S = 120.0
 
 def _pool_address(host: str, port: int | None) -> str:
     return host if not port else f"{host}:{port}"
-
-
-@dataclass
-class SupervisorNode:
-    pool: Any
-    supervisor: Any
-    supervisor_address: str
-    endpoint: str
-    server: uvicorn.Server
-    server_task: asyncio.Task[None]
-
-    async def stop(self) -> None:
-        """Terminate every model (the workers remove their sub-pools), then stop
-        serving."""
-        try:
-            await self.supervisor.terminate_all()
-        finally:
-            self.server.should_exit = True
-            try:
-                await asyncio.wait_for(self.server_task, SERVER_STOP_TIMEOUT_S)
-            finally:
-                await self.pool.stop()
 
 
 async def start_supervisor(

@@ -40,7 +40,10 @@ class EmbeddedServer(uvicorn.Server):
 
 
 @dataclass
-class LocalCluster:
+class SupervisorNode:
+    """A running supervisor pool and its REST API: ``xinference-local``'s (whose
+    pool holds the worker too) or ``xinference-supervisor``'s."""
+
     pool: Any
     supervisor: Any
     supervisor_address: str
@@ -49,7 +52,8 @@ class LocalCluster:
     server_task: asyncio.Task[None]
 
     async def stop(self) -> None:
-        """Terminate every model (their counters are logged), then stop serving."""
+        """Terminate every model (their counters are logged; the workers remove
+        their sub-pools), then stop serving."""
         try:
             await self.supervisor.terminate_all()
         finally:
@@ -62,7 +66,7 @@ class LocalCluster:
 
 async def start_local_cluster(
     host: str = "127.0.0.1", port: int = 9997, *, access_log: bool = False
-) -> LocalCluster:
+) -> SupervisorNode:
     """Start the pool, the actors and the HTTP server; ``port=0`` lets the OS pick
     a free port (read it back from ``endpoint``)."""
     # auto_recover off: xoscar would restart a replica's sub-pool that died and
@@ -88,7 +92,7 @@ async def start_local_cluster(
         raise
     endpoint = f"http://{host}:{bound_port}"
     logger.info("Xinference at %s (supervisor %s)", endpoint, address)
-    return LocalCluster(pool, supervisor, address, endpoint, server, task)
+    return SupervisorNode(pool, supervisor, address, endpoint, server, task)
 
 
 async def serve_http(
