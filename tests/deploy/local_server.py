@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import psutil
 
@@ -35,44 +36,48 @@ def engine_env(home: Path) -> dict[str, str]:
     return env
 
 
-class LocalServer:
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.log_path = workdir / "server.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.endpoint = ""
+class CommandProcess:
+    """One ``python -m xinference.deploy.cmdline ...`` process, logging to
+    ``<workdir>/<name>.log``; ``ready`` is the line (a regex with one group) it
+    prints once it serves, and ``announced`` that group."""
 
-    def start(self) -> LocalServer:
-        log = self.log_path.open("wb")
+    def __init__(
+        self, name: str, args: list[str], workdir: Path, ready: str, env: dict[str, str]
+    ) -> None:
+        self.name = name
+        self.args = args
+        self.workdir = workdir
+        self.ready = re.compile(ready)
+        self.env = env
+        self.log_path = workdir / f"{name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.announced = ""
+
+    def start(self) -> Self:
+        # Appended to, so that a process started again keeps the earlier log; only
+        # what this start writes is searched for the ready line.
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            # Upstream's short flags (-H, -p): exercised by every server test.
-            [
-                sys.executable,
-                "-m",
-                "xinference.deploy.cmdline",
-                "local",
-                "-H",
-                "127.0.0.1",
-                "-p",
-                "0",
-            ],
+            [sys.executable, "-m", "xinference.deploy.cmdline", *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=engine_env(self.workdir),
+            env=self.env,
             cwd=Path(__file__).resolve().parents[2],
         )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
-            match = _ENDPOINT.search(self.log_path.read_text(errors="replace"))
+            text = self.log_path.read_text(errors="replace")[offset:]
+            match = self.ready.search(text)
             if match:
-                self.endpoint = match.group(1)
+                self.announced = match.group(1)
                 return self
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited at start:\n{self.tail()}")
+                raise RuntimeError(f"{self.name} exited at start:\n{self.tail()}")
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(
-            f"server did not start in {STARTUP_TIMEOUT_S} s:\n{self.tail()}"
+            f"{self.name} did not start in {STARTUP_TIMEOUT_S} s:\n{self.tail()}"
         )
 
     @property
@@ -80,10 +85,17 @@ class LocalServer:
         assert self.process is not None
         return self.process.pid
 
+    def tree(self) -> list[psutil.Process]:
+        """The process and every process under it."""
+        try:
+            return [psutil.Process(self.pid), *psutil.Process(self.pid).children(True)]
+        except psutil.NoSuchProcess:
+            return []
+
     def descendants(self) -> set[int]:
-        """Pids of every live process under the server (zombies excluded)."""
+        """Pids of every live process under this one (zombies excluded)."""
         alive = set()
-        for child in psutil.Process(self.pid).children(recursive=True):
+        for child in self.tree()[1:]:
             try:
                 if child.status() != psutil.STATUS_ZOMBIE:
                     alive.add(child.pid)
@@ -91,16 +103,27 @@ class LocalServer:
                 pass
         return alive
 
+    def kill_host(self) -> list[int]:
+        """SIGKILL the process and every process under it at once, as a host that
+        loses power would; the pids killed."""
+        tree = self.tree()
+        for process in tree:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=10)
+        assert self.process is not None
+        self.process.wait(10)
+        return [process.pid for process in tree]
+
     def stop(self) -> list[int]:
-        """SIGTERM (the server terminates its models), wait (bounded), then kill
-        whatever is left, descendants included; returns the pids that had to be
-        killed (none when the server shut down cleanly)."""
+        """SIGTERM (a server terminates its models, a worker leaves), wait
+        (bounded), then kill whatever is left, descendants included; returns the
+        pids that had to be killed (none when it shut down cleanly)."""
         if self.process is None or self.process.poll() is not None:
             return []
-        try:
-            tree = psutil.Process(self.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
+        tree = self.tree()[1:]
         killed = []
         self.process.send_signal(signal.SIGTERM)
         try:
@@ -120,6 +143,24 @@ class LocalServer:
             self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         )
         return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalServer(CommandProcess):
+    """``xinference local`` on 127.0.0.1, any free port (upstream's short flags,
+    -H and -p, exercised by every server test)."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(
+            "server",
+            ["local", "-H", "127.0.0.1", "-p", "0"],
+            workdir,
+            _ENDPOINT.pattern,
+            engine_env(workdir),
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return self.announced
 
 
 def wait_for_no_descendants(
