@@ -1,26 +1,11 @@
 """The block tracker as a real actor in a real xoscar pool."""
 
 import pytest
-import xoscar as xo
 
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
-from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
 from xinference.model.llm.vllm.xavier.wire import PrefixHit
 
 KEYS = hash_full_blocks(list(range(16 * 6)), 16, "tracker-test")
-
-
-@pytest.fixture
-async def tracker():
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=0)
-    async with pool:
-        ref = await xo.create_actor(
-            BlockTrackerActor, address=pool.external_address, uid="tracker"
-        )
-        await ref.register_replica(0, "nixl://a")
-        await ref.register_replica(1, "nixl://b")
-        await ref.register_replica(2, "nixl://c")
-        yield ref
 
 
 async def test_longest_prefix_excludes_the_caller(tracker):

@@ -11,9 +11,6 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-import pytest
-import xoscar as xo
-
 from xinference.model.llm.vllm.xavier import tracker as tracker_module
 from xinference.model.llm.vllm.xavier.hashing import BlockHash, hash_full_blocks
 from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
@@ -117,18 +114,6 @@ async def test_a_mirror_too_far_behind_gets_the_whole_index(monkeypatch):
     assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
 
 
-@pytest.fixture
-async def pooled_tracker():
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=0)
-    async with pool:
-        ref = await xo.create_actor(
-            BlockTrackerActor, address=pool.external_address, uid="tracker"
-        )
-        await ref.register_replica(0, "nixl://a")
-        await ref.register_replica(1, "nixl://b")
-        yield ref
-
-
 async def wait_until(condition, timeout: float) -> float:
     """Seconds until ``condition()`` held; fails past ``timeout``."""
     started = time.monotonic()
@@ -138,11 +123,11 @@ async def wait_until(condition, timeout: float) -> float:
     return time.monotonic() - started
 
 
-async def test_a_waiting_mirror_gets_a_change_at_once(pooled_tracker):
+async def test_a_waiting_mirror_gets_a_change_at_once(tracker):
     """The poll waits up to a minute for a change; a change must end the wait (a
     poll that only returned at its timeout would fail this test)."""
     mirror = TrackerMirror(
-        lambda since, wait: pooled_tracker.mirror_changes(0, since, wait),
+        lambda since, wait: tracker.mirror_changes(0, since, wait),
         rpc_timeout_s=2,
         wait_s=60,
     )
@@ -151,31 +136,31 @@ async def test_a_waiting_mirror_gets_a_change_at_once(pooled_tracker):
         await wait_until(lambda: mirror.ready, 5)
         await asyncio.sleep(0.2)  # the next poll is now waiting in the tracker
         polls = mirror.polls
-        await pooled_tracker.register_blocks(1, KEYS[:3])
+        await tracker.register_blocks(1, KEYS[:3])
         waited = await wait_until(lambda: mirror.query(0, KEYS) is not None, 2)
         assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 3)
         assert mirror.polls == polls + 1
         assert waited < 1.0
         # and its next poll tells the tracker how far it is
         deadline = time.monotonic() + 2
-        while (await pooled_tracker.mirror_versions()).get(0) != mirror.version:
+        while (await tracker.mirror_versions()).get(0) != mirror.version:
             assert time.monotonic() < deadline, "the mirror's version never arrived"
             await asyncio.sleep(0.005)
-        assert (await pooled_tracker.mirror_versions())[-1] == mirror.version
+        assert (await tracker.mirror_versions())[-1] == mirror.version
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_a_mirror_that_loses_the_tracker_is_not_ready_until_it_is_back(
-    pooled_tracker,
+    tracker,
 ):
     outage = asyncio.Event()
 
     async def fetch(since: int, wait: float) -> TrackerChanges:
         if outage.is_set():
             raise ConnectionRefusedError("the supervisor's pool is gone")
-        return await pooled_tracker.mirror_changes(0, since, wait)
+        return await tracker.mirror_changes(0, since, wait)
 
     mirror = TrackerMirror(fetch, rpc_timeout_s=1, wait_s=0.1, retry_s=0.01)
     task = asyncio.create_task(mirror.run())
@@ -183,7 +168,7 @@ async def test_a_mirror_that_loses_the_tracker_is_not_ready_until_it_is_back(
         await wait_until(lambda: mirror.ready, 5)
         outage.set()
         await wait_until(lambda: not mirror.ready, 2)
-        await pooled_tracker.register_blocks(1, KEYS[:2])
+        await tracker.register_blocks(1, KEYS[:2])
         outage.clear()
         await wait_until(lambda: mirror.ready and mirror.query(0, KEYS), 5)
         assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 2)
@@ -194,12 +179,12 @@ async def test_a_mirror_that_loses_the_tracker_is_not_ready_until_it_is_back(
 
 
 async def test_a_stopped_mirror_leaves_at_once_when_the_tracker_wakes_it(
-    pooled_tracker,
+    tracker,
 ):
     """Stopping ends the mirror's loop after the poll in flight; waking the polls
     ends that one at once, so nothing is left for the tracker to answer."""
     mirror = TrackerMirror(
-        lambda since, wait: pooled_tracker.mirror_changes(0, since, wait),
+        lambda since, wait: tracker.mirror_changes(0, since, wait),
         rpc_timeout_s=2,
         wait_s=60,
     )
@@ -209,7 +194,7 @@ async def test_a_stopped_mirror_leaves_at_once_when_the_tracker_wakes_it(
         await asyncio.sleep(0.2)  # the next poll waits in the tracker
         mirror.stop()
         assert not mirror.ready
-        await pooled_tracker.wake_mirrors()
+        await tracker.wake_mirrors()
         await asyncio.wait_for(task, 2)
     finally:
         task.cancel()
