@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..model.llm.vllm.xavier.config import LOG_LEVEL_ENV
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from ..model.llm.vllm.xavier.config import LOG_FORMAT, LOG_LEVEL_ENV
 
 
 def configure(level: str, fmt: str = LOG_FORMAT) -> None:

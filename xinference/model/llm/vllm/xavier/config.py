@@ -31,6 +31,8 @@ DEFAULT_TRANSPORT = "nixl"
 # The log level of the process that started a replica, for the processes vLLM
 # spawns under it (its engine core configures only vLLM's own loggers).
 LOG_LEVEL_ENV = "XINFERENCE_LOG_LEVEL"
+# The log line every process of a cluster writes, the engine core's Xavier lines too.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def parse_size(value: int | str) -> int:

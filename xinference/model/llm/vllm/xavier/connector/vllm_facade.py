@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from ..aio import ActorRefs, BackgroundLoop, with_deadline
-from ..config import LOG_LEVEL_ENV, transfer_actor_uid
+from ..config import LOG_FORMAT, LOG_LEVEL_ENV, transfer_actor_uid
 from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
@@ -86,9 +86,7 @@ def _log_where_the_engine_logs() -> None:
     if logging.getLogger().handlers or ours.handlers:
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     ours.addHandler(handler)
     ours.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
 
