@@ -19,7 +19,7 @@ transport, so one run compares them under the same conditions:
                 rows land in the receive slab, which is checked instead of the
                 engine blocks).
   nixl-read-rows  nixl-read with the endpoint's prepared row lists turned on
-                (``use_row_lists``): a READ names rows of descriptor lists NIXL
+                (``RowLists.enabled``): a READ names rows of descriptor lists NIXL
                 prepared when the peer was met, instead of building its own.
 
 ``--engine-allocation one`` lays the engine's layers out as views of one allocation
@@ -300,7 +300,9 @@ class BenchPeer(xo.StatelessActor):
 
         extra: dict[str, Any] = {}
         if isinstance(transport, NixlDirectTransport):
-            transport.endpoint.use_row_lists = case == "nixl-read-rows"
+            row_lists = transport.endpoint.row_lists
+            if row_lists is not None:
+                row_lists.enabled = case == "nixl-read-rows"
         if case in ("nixl-slab", "nixl-engine", *SLAB_ONLY):
             # What the lease grant carries: no RPC to locate the rows.
             source = await holder.transport_call("source", "bench", keys)

@@ -331,9 +331,9 @@ class TransportPeer(xo.StatelessActor):
     def use_row_lists(self, enabled: bool) -> tuple[str, ...]:
         """Turn the NIXL endpoint's prepared row lists on or off; returns the peers
         it has lists for."""
-        endpoint = self.transport.endpoint
-        endpoint.use_row_lists = enabled
-        return endpoint.peers_with_row_lists
+        row_lists = self.transport.endpoint.row_lists
+        row_lists.enabled = enabled
+        return row_lists.peers
 
     def peer_paths(self) -> dict[str, dict[str, Any]]:
         paths = self.transport.endpoint.peer_paths

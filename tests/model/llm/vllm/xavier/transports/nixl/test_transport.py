@@ -321,7 +321,7 @@ async def test_wire_bytes_equal_useful_bytes(device: str) -> None:
 async def test_slab_reads_by_prepared_rows_equal_reads_by_descriptors(
     device: str,
 ) -> None:
-    """With ``use_row_lists``, reads into the slab go through the row lists
+    """With the row lists enabled, reads into the slab go through the row lists
     prepared when the peer was met; without, the same loads carry descriptors.
     Both bring every byte, in as many descriptors."""
     data = random_bytes(16 * GEOMETRY.block_nbytes, seed=21)

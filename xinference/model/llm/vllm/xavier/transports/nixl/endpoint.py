@@ -6,16 +6,8 @@ nothing is registered again, except a fresh receive slab when a READ into the ol
 one missed its deadline. Peers are met once (their partial metadata loaded, a
 connection made, one row READ as a check of the path, so a missing zero-copy path
 fails there with its reason rather than on every load) and again only when their
-generation changes. READs themselves are ``reads.ReadWaiter``'s.
-
-Descriptor lists of whole rows are prepared once, for the receive slab and for each
-peer's device tier (``row_lists``). With ``use_row_lists`` a READ into the slab is
-then a list of row indices (``plan.plan_slab_rows``), with no descriptor list built
-on a load's path. It is off by default: on a CPU it saves about 2 us of NIXL's
-time per READ and costs as much in building the indices
-(``benchmark/transport_benchmark.py``, ``nixl-read`` against ``nixl-read-descs``);
-on a GPU it is not measured yet. Where NIXL cannot prepare them, or with the flag
-off, READs carry their descriptors.
+generation changes. READs themselves are ``reads.ReadWaiter``'s; the descriptor
+lists prepared once for them, ``row_lists.RowLists``.
 """
 
 from __future__ import annotations
@@ -32,8 +24,9 @@ from typing import Any
 import torch
 
 from ...aio import finish_even_if_cancelled
-from .plan import EngineBlockMap, ReadPlan, _merged_plan, _u64, row_descriptors
+from .plan import EngineBlockMap, ReadPlan, _merged_plan, _u64
 from .reads import DEST_PROBE, DEST_SLAB, ReadWaiter
+from .row_lists import RowLists
 from .ucx import (
     PROGRESS_THREAD_DELAY_US,
     VRAM_UCX_SETTINGS,
@@ -171,12 +164,7 @@ class NixlAgentEndpoint:
         self._slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=self.device)
         self._slab_region = NixlRegion.of(self._slab)
         self._slab_reg: Any = None
-        # prepared row lists (None: not prepared; READs carry descriptors), used
-        # for READs into the slab only with use_row_lists (see the module docstring)
-        self.use_row_lists = False
-        self._slab_list: Any = None
-        self._peer_lists: dict[str, Any] = {}  # remote agent name -> its rows' list
-        self._stale_lists: list[Any] = []  # lists a pending READ may still use
+        self.row_lists: RowLists | None = None  # once the agent exists
         self._probe = torch.zeros(row_bytes, dtype=torch.uint8, device=self.device)
         self._probe_reg: Any = None
         self.peer_paths: dict[str, PeerPath] = {}
@@ -255,7 +243,10 @@ class NixlAgentEndpoint:
             if self._engine_map is not None:
                 self._register_engine(self._engine_map)
             self._info = self._make_info()
-            self._slab_list = self._prepare_rows("", self._slab_region)
+            self.row_lists = RowLists(
+                self._agent, self.agent_name, self.row_bytes, self._nixl_errors
+            )
+            self.row_lists.new_slab(self._slab_region)
         except BaseException:
             self._deregister_all()
             raise
@@ -285,43 +276,6 @@ class NixlAgentEndpoint:
         )
         self.registrations += 1
         return reg
-
-    def _prepare_rows(self, agent_name: str, region: NixlRegion) -> Any:
-        """A prepared descriptor list of ``region``'s rows (``agent_name`` "": this
-        agent's memory), or None where NIXL refuses (logged)."""
-        try:
-            return self._agent.prep_xfer_dlist(
-                agent_name, row_descriptors(region, self.row_bytes), region.mem_type
-            )
-        except self._nixl_errors as exc:
-            logger.warning(
-                "NIXL endpoint %s could not prepare the row list of %s (%r); its "
-                "READs carry their descriptors",
-                self.agent_name,
-                agent_name or "its receive slab",
-                exc,
-            )
-            return None
-
-    def _release_list(self, handle: Any) -> None:
-        if handle is not None and self._agent is not None:
-            self._agent.release_dlist_handle(handle)
-
-    def _release_lists(self, handles: Sequence[Any]) -> None:
-        for handle in handles:
-            self._release_list(handle)
-
-    def row_lists(self, peer: str) -> tuple[Any, Any] | None:
-        """(the receive slab's, ``peer``'s device tier's) prepared row lists, when
-        both exist (see ``plan.plan_slab_rows``)."""
-        peer_list = self._peer_lists.get(peer)
-        if peer_list is None or self._slab_list is None or not self.use_row_lists:
-            return None
-        return self._slab_list, peer_list
-
-    @property
-    def peers_with_row_lists(self) -> tuple[str, ...]:
-        return tuple(name for name, rows in self._peer_lists.items() if rows)
 
     def _make_info(self) -> NixlEndpointInfo:
         store = None
@@ -468,14 +422,8 @@ class NixlAgentEndpoint:
                 )
             # Connect now rather than on the first READ, whose deadline it would eat.
             self._agent.make_connection(info.agent_name)
-            old = self._peer_lists.pop(info.agent_name, None)
-            if old is not None:
-                self._stale_lists.append(old)  # a late READ may still use it
-            assert info.store is not None
-            if info.row_bytes == self.row_bytes:
-                self._peer_lists[info.agent_name] = self._prepare_rows(
-                    info.agent_name, info.store
-                )
+            assert info.store is not None and self.row_lists is not None
+            self.row_lists.peer_loaded(info.agent_name, info.store, info.row_bytes)
 
         try:
             await finish_even_if_cancelled(asyncio.to_thread(load))
@@ -549,11 +497,10 @@ class NixlAgentEndpoint:
             return
         del self._peers[agent_name]
         self.peer_paths.pop(agent_name, None)
-        stale = [self._peer_lists.pop(agent_name, None)]
-        if self._reads is None or not self._reads.pending_count():
-            stale, self._stale_lists = stale + self._stale_lists, []
+        pending = self._reads is not None and self._reads.pending_count() > 0
         try:
-            await asyncio.to_thread(self._release_lists, stale)
+            if self.row_lists is not None:
+                await asyncio.to_thread(self.row_lists.forget_peer, agent_name, pending)
             await asyncio.to_thread(self._agent.remove_remote_agent, agent_name)
         except self._nixl_errors as exc:  # already gone, e.g. after a disconnect
             logger.info("NIXL peer %s was already removed: %r", agent_name, exc)
@@ -588,19 +535,21 @@ class NixlAgentEndpoint:
         """A READ into ``destination`` missed its deadline: what it may still write."""
         if destination != DEST_SLAB:
             return None
-        hold = (self._slab, self._slab_reg, self._slab_list)
         slab = torch.zeros_like(self._slab)
         region = NixlRegion.of(slab)
-        self._slab_reg = await asyncio.to_thread(self._register, [region])
-        self._slab, self._slab_region = slab, region
-        self._slab_list = await asyncio.to_thread(self._prepare_rows, "", region)
+        reg = await asyncio.to_thread(self._register, [region])
+        assert self.row_lists is not None
+        old_list = await asyncio.to_thread(self.row_lists.new_slab, region)
+        hold = (self._slab, self._slab_reg, old_list)
+        self._slab, self._slab_reg, self._slab_region = slab, reg, region
         return hold
 
     async def _free(self, hold: Any) -> None:
         """The READ into a retired slab ended: nothing can write it any more."""
 
         def free() -> None:
-            self._release_list(hold[2])
+            if self.row_lists is not None:
+                self.row_lists.release([hold[2]])
             self._agent.deregister_memory(hold[1])
 
         await asyncio.to_thread(free)
@@ -656,10 +605,8 @@ class NixlAgentEndpoint:
         )
 
     def _deregister_all(self) -> None:
-        self._release_lists(
-            [self._slab_list, *self._peer_lists.values(), *self._stale_lists]
-        )
-        self._slab_list, self._peer_lists, self._stale_lists = None, {}, []
+        if self.row_lists is not None and self._agent is not None:
+            self.row_lists.release_all()
         for attr in ("_engine_regs", "_probe_reg", "_slab_reg", "_store_reg"):
             reg = getattr(self, attr)
             if reg is not None and self._agent is not None:

@@ -240,7 +240,12 @@ class NixlDirectTransport:
                 # READ must not overwrite it before that work is done.
                 self._slab_readers.wait()
                 slab_region = self._endpoint.slab_region
-                lists = self._endpoint.row_lists(peer.agent_name)
+                row_lists = self._endpoint.row_lists
+                lists = (
+                    None
+                    if row_lists is None
+                    else row_lists.for_reads_from(peer.agent_name)
+                )
                 if lists is not None:
                     plan = plan_slab_rows(
                         source.first_rows,
