@@ -112,15 +112,24 @@ deploy() {  # deploy LABEL PHASES [launch options...]
 }
 
 profile_engines() {  # profile_engines LABEL: py-spy every engine core, in the background
-  # (needs py-spy in .whl; raw collapsed stacks, one file per process, per thread)
+  # (needs py-spy in .whl; raw collapsed stacks, one file per process, per thread),
+  # and the replicas' sub-pools and xinference-local too (files named by role);
+  # meanwhile the busiest threads of the host (top) and the GPU's utilisation.
   sleep "$PROFILE_DELAY_S"
-  local pid
+  local pid role
   pgrep -f "VLLM::EngineCore" > /dev/null || ps -eo pid,args > "$LOGS/profile-$1-ps.txt"
-  for pid in $(pgrep -f "VLLM::EngineCore"); do
+  for pid in $(pgrep -f "VLLM::EngineCore") \
+    $(grep -o "pid [0-9]*" "$LOGS/launch-$1.log" | cut -d' ' -f2) $SERVER_PID; do
+    role=engine
+    [[ $pid == "$SERVER_PID" ]] && role=local
+    grep -q "pid $pid " "$LOGS/launch-$1.log" && role=subpool
     py-spy record --pid "$pid" --duration "$PROFILE_S" --rate 250 --format raw \
-      --threads --nonblocking -o "$LOGS/profile-$1-$pid.txt" \
-      > "$LOGS/profile-$1-$pid.log" 2>&1 &
+      --threads --nonblocking -o "$LOGS/profile-$1-$role-$pid.txt" \
+      > "$LOGS/profile-$1-$role-$pid.log" 2>&1 &
   done
+  top -b -H -d "$(( PROFILE_S / 2 ))" -n 3 -w 400 > "$LOGS/top-$1.txt" 2>&1 &
+  timeout "$PROFILE_S" nvidia-smi --query-gpu=utilization.gpu,utilization.memory \
+    --format=csv,noheader -lms 500 > "$LOGS/gpu-util-$1.txt" 2>&1 &
   wait
 }
 

@@ -114,6 +114,41 @@ async def test_a_mirror_too_far_behind_gets_the_whole_index(monkeypatch):
     assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
 
 
+async def test_a_poll_gets_exactly_the_changes_after_its_version():
+    """Served from the newest end of a long log: the answer holds every change
+    after ``since``, in order, and none before it."""
+    tracker = fresh_tracker()
+    base = (await poll(tracker, 0, -1)).version
+    for key in KEYS + OTHER:
+        tracker.register_blocks(1, [key])
+    tracker.unregister_blocks(1, [KEYS[0]])
+    since = base + len(KEYS)
+    changes = await poll(tracker, 0, since)
+    assert not changes.reset
+    assert [c.keys for c in changes.changes] == [(k,) for k in OTHER] + [(KEYS[0],)]
+    assert [c.op for c in changes.changes][-1] == "remove"
+    assert changes.version == since + len(OTHER) + 1
+    assert (await poll(tracker, 0, changes.version)).changes == ()
+
+
+async def test_changes_that_follow_a_wake_closely_travel_together(monkeypatch):
+    """A waiting poll answers after a short window, with every change made in it:
+    replicas publish every engine step, and one answer per change would cost the
+    supervisor's process a round trip per mirror per step."""
+    monkeypatch.setattr(tracker_module, "MIRROR_BATCH_S", 0.5)  # a slow machine
+    tracker = fresh_tracker()
+    base = (await poll(tracker, 0, -1)).version
+    waiting = asyncio.create_task(tracker.mirror_changes(0, base, 5.0))
+    await asyncio.sleep(0)  # the poll now waits for a change
+    for key in KEYS[:3]:
+        tracker.register_blocks(1, [key])
+        await asyncio.sleep(0.01)  # the waiting poll runs in between
+    assert not waiting.done()
+    changes = await asyncio.wait_for(waiting, 2.0)
+    assert [c.keys for c in changes.changes] == [(k,) for k in KEYS[:3]]
+    assert changes.version == base + 3
+
+
 async def wait_until(condition, timeout: float) -> float:
     """Seconds until ``condition()`` held; fails past ``timeout``."""
     started = time.monotonic()

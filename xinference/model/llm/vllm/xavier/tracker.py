@@ -33,6 +33,8 @@ CHANGE_LOG_KEYS = 200_000
 # A mirror that has not polled again this long after its last wait ended no longer
 # holds back what rank -1 queries see.
 MIRROR_GRACE_S = 5.0
+# After a change wakes a waiting mirror, its answer waits this long for more.
+MIRROR_BATCH_S = 0.005
 
 
 def tracker_uid(model_uid: str) -> str:
@@ -124,10 +126,29 @@ class BlockTrackerActor(xo.StatelessActor):
                 await asyncio.wait_for(self._changed.wait(), wait_s)
             except TimeoutError:
                 pass
+            else:
+                # Replicas publish every engine step: let the changes that follow
+                # this one closely travel in the same answer, so that a mirror
+                # polls at most about once per batch window, not once per change.
+                await asyncio.sleep(MIRROR_BATCH_S)
         if self._log and since < self._log[0][0] - 1:
             return self._snapshot()  # the log no longer reaches back that far
-        changes = tuple(change for version, change in self._log if version > since)
-        return TrackerChanges(self._version, False, changes, self._address_list())
+        return TrackerChanges(
+            self._version, False, self._changes_since(since), self._address_list()
+        )
+
+    def _changes_since(self, since: int) -> tuple[IndexChange, ...]:
+        """The logged changes after version ``since``, oldest first. Walks back
+        from the newest only as far as needed: the log may hold tens of thousands
+        of changes, and this runs on every poll of every mirror, in the
+        supervisor's process, which also serves the REST API."""
+        newer: list[IndexChange] = []
+        for version, change in reversed(self._log):
+            if version <= since:
+                break
+            newer.append(change)
+        newer.reverse()
+        return tuple(newer)
 
     def wake_mirrors(self) -> None:
         """End every waiting poll now (with no change): a mirror that is stopping

@@ -13,7 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.actor.transfer_actor import TransferActorConfig
+from xinference.model.llm.vllm.xavier.actor.transfer_actor import (
+    TransferActorConfig,
+    net_tracker_change,
+)
 from xinference.model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 from xinference.model.llm.vllm.xavier.engine.layout import (
     BLOCK_FIRST_LAYOUT,
@@ -432,6 +435,23 @@ async def test_dropped_snapshots_are_unregistered_from_the_tracker(cluster):
     hit = await cluster.tracker.query_prefix(1, keys[2:])
     assert hit is not None and hit.num_blocks == 4
     assert await cluster.tracker.query_prefix(1, keys) is None
+
+
+def test_queued_tracker_updates_are_sent_as_their_net_change():
+    """Updates that queued while one was in flight travel as one: each key ends
+    up as its last update left it (the drops of an update precede its adds)."""
+    a, b, c, d = prompt_keys(4, salt=11)
+    updates = [
+        ([a, b], []),
+        ([c], [a]),  # a dropped to make room for c
+        ([a], [b]),  # a staged again, b dropped
+        ([], [d]),  # d was registered by an earlier send
+    ]
+    added, dropped = net_tracker_change(updates)
+    assert added == [c, a]
+    assert dropped == [b, d]
+    assert net_tracker_change([([a], [a])]) == ([a], [])
+    assert net_tracker_change([]) == ([], [])
 
 
 async def test_engine_caches_are_mapped_exactly_once_and_must_match(cluster):

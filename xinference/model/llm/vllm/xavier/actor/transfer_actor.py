@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -132,6 +132,8 @@ class XavierTransferActor(xo.StatelessActor):
         self._operations: set[asyncio.Task[Any]] = set()
         self._tracker_lock = asyncio.Lock()
         self._tracker_updates: set[asyncio.Task[None]] = set()
+        # (keys added, keys dropped) not yet sent to the tracker, oldest first
+        self._tracker_queue: list[tuple[list[BlockHash], list[BlockHash]]] = []
         self._counters = ActorCounters()
         # successful loads, from start_load to their result
         self._load_latency = LatencyRecorder()
@@ -322,7 +324,8 @@ class XavierTransferActor(xo.StatelessActor):
         so a key dropped and staged again ends up registered."""
         if not keys_added and not keys_dropped:
             return
-        task = asyncio.create_task(self._send_to_tracker(keys_added, keys_dropped))
+        self._tracker_queue.append((keys_added, keys_dropped))
+        task = asyncio.create_task(self._send_to_tracker())
         for tasks in (self._operations, self._tracker_updates):  # close() waits
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -333,13 +336,18 @@ class XavierTransferActor(xo.StatelessActor):
         if self._tracker_updates:
             await asyncio.wait(list(self._tracker_updates))
 
-    async def _send_to_tracker(
-        self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
-    ) -> None:
+    async def _send_to_tracker(self) -> None:
         rank = self._config.rank
-        # Tasks reach the lock in creation order and asyncio.Lock wakes waiters
-        # first come, first served: one update at a time, in order.
+        # One sender at a time. Whoever holds the lock sends every update queued so
+        # far as one net change (replicas stage every engine step: while one
+        # update travels, the next ones gather); the senders that find the queue
+        # empty have had theirs sent. Each task returns only after the send that
+        # carried its update, so ``wait_tracker_updates`` keeps its meaning.
         async with self._tracker_lock:
+            if not self._tracker_queue:
+                return
+            keys_added, keys_dropped = net_tracker_change(self._tracker_queue)
+            self._tracker_queue.clear()
             try:
                 if keys_dropped:
                     await self._deadline(
@@ -545,6 +553,26 @@ class XavierTransferActor(xo.StatelessActor):
         # xo.wait_for rather than asyncio.wait_for: it times out even when the
         # cancellation of an actor call cannot reach an unresponsive peer.
         return await xo.wait_for(call, self._config.rpc_timeout_s)
+
+
+def net_tracker_change(
+    updates: Sequence[tuple[Sequence[BlockHash], Sequence[BlockHash]]],
+) -> tuple[list[BlockHash], list[BlockHash]]:
+    """Successive (added, dropped) updates as one: (keys whose last update added
+    them, keys whose last update dropped them). Within one update the drops come
+    first (the store dropped them to make room for the additions)."""
+    last: dict[BlockHash, bool] = {}  # key -> added by its last update
+    for added, dropped in updates:
+        for key in dropped:
+            last.pop(key, None)
+            last[key] = False
+        for key in added:
+            last.pop(key, None)
+            last[key] = True
+    return (
+        [key for key, was_added in last.items() if was_added],
+        [key for key, was_added in last.items() if not was_added],
+    )
 
 
 def _import_ring(handles: SharedTensorHandles, cache: BlockMajorCache) -> torch.Tensor:

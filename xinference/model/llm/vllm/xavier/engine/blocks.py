@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..wire import KVGeometry
+from .device import host_to_device
 from .layout import WIDE_DTYPES, KVLayout, dtype_name, slot_rows_index, wide_view
 
 
@@ -140,7 +141,9 @@ class BlockMajorCache:
         (``gather_snapshots``) and one copy where the layout allows."""
         target = wide_view(rows)  # views only: writes reach ``rows``
         snapshots = self.gather_snapshots(block_ids).to(rows.device)
-        indices = slot_rows_index(first_rows, self.num_layers).to(rows.device)
+        indices = host_to_device(
+            slot_rows_index(first_rows, self.num_layers), rows.device
+        )
         target.index_copy_(0, indices, wide_view(snapshots, target.dtype))
 
     def scatter(self, layer: int, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -263,7 +266,7 @@ class BlockMajorCache:
         # index_copy_ with repeated indices keeps an unspecified one of them.
         if unique and len(set(ids)) != len(ids):
             raise ValueError(f"duplicate destination blocks in {ids}")
-        return block_ids.to(self.device)
+        return host_to_device(block_ids, self.device)
 
 
 def _stacked_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:

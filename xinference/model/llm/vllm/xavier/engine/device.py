@@ -45,6 +45,20 @@ def fence(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on ``device``, queued without waiting for the device.
+
+    ``.to(cuda)`` from pageable memory synchronises the current stream first: on
+    vLLM's engine thread that waits for the step's forward, which asynchronous
+    scheduling would otherwise overlap with preparing the next step. From pinned
+    memory the copy is queued behind that work instead; torch's caching host
+    allocator keeps the pinned buffer until the copy has run.
+    """
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class DeviceWorkMark:
     """A point in the work queued on a device, to wait for later rather than now.
 
