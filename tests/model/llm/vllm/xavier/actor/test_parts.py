@@ -357,3 +357,98 @@ async def test_a_cancelled_load_task_ends_only_after_its_write_in_flight():
         assert torch.equal(
             target.read_block(dst_block), holder.engine.read_block(src_block)
         )
+
+
+# ---- staging -----------------------------------------------------------------------
+
+
+def stored_rows(store: TieredKVSnapshotStore, key: bytes) -> tuple[str, torch.Tensor]:
+    """Tier and rows of a published snapshot, through a short lease."""
+    ((tier, first_row, _),) = store.lease("peek", [key])
+    rows = store.rows(tier)[first_row : first_row + SPEC.num_layers].clone()
+    store.release("peek")
+    return tier, rows
+
+
+def engine_rows(engine: SyntheticEngine, block: int) -> torch.Tensor:
+    return engine.cache.gather_snapshots(torch.tensor([block]))
+
+
+async def stage_more(holder: Holder, blocks: Sequence[int], salt: int) -> list:
+    engine = holder.engine
+    return await stage_snapshots(
+        holder.store,
+        {k: b for k, b in zip(keys(len(blocks), salt), blocks, strict=True)},
+        engine.cache.layout.dtype,
+        functools.partial(copy_blocks_into_store, engine.cache, holder.store),
+        holder.counters,
+    )
+
+
+async def test_staging_copies_its_demotions_off_the_event_loop():
+    """The transfer actor shares its loop with the model actor, which streams
+    tokens: the demotions' device-to-host copy must run in a worker thread, and
+    the demoted snapshots then read back whole from the CPU tier."""
+    holder, first = await staged_holder(2, device_slots=2)
+    store = holder.store
+    threads: list[int] = []
+    copy_demotions = store.copy_demotions
+
+    def recorded(batch: Any) -> None:
+        threads.append(threading.get_ident())
+        copy_demotions(batch)
+
+    store.copy_demotions = recorded  # type: ignore[method-assign]
+    holder.engine.fill_random(range(2, 4), seed=5)
+    assert await stage_more(holder, [2, 3], salt=5) == keys(2, 5)
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
+    for block, key in enumerate(first):
+        tier, rows = stored_rows(store, key)
+        assert tier == CPU_TIER and torch.equal(rows, engine_rows(holder.engine, block))
+    for block, key in zip((2, 3), keys(2, 5), strict=True):
+        tier, rows = stored_rows(store, key)
+        assert tier == DEVICE_TIER
+        assert torch.equal(rows, engine_rows(holder.engine, block))
+
+
+async def test_a_failed_demotion_copy_stages_nothing_and_keeps_the_victims():
+    holder, first = await staged_holder(2, device_slots=2)
+    store = holder.store
+
+    def broken(batch: Any) -> None:
+        raise RuntimeError("injected demotion fault")
+
+    store.copy_demotions = broken  # type: ignore[method-assign]
+    holder.engine.fill_random(range(2, 4), seed=6)
+    with pytest.raises(RuntimeError, match="injected demotion fault"):
+        await stage_more(holder, [2, 3], salt=6)
+    assert holder.counters.stage_failures == 1
+    assert not any(store.contains(k) or store.is_staging(k) for k in keys(2, 6))
+    for block, key in enumerate(first):
+        tier, rows = stored_rows(store, key)
+        assert tier == DEVICE_TIER
+        assert torch.equal(rows, engine_rows(holder.engine, block))
+    assert store.stats().cpu_snapshots == 0
+
+
+async def test_a_failed_snapshot_copy_after_its_demotions_keeps_the_demotions():
+    holder, first = await staged_holder(2, device_slots=2)
+    store = holder.store
+
+    def broken_copy(staged: Any) -> None:
+        raise RuntimeError("injected snapshot copy fault")
+
+    with pytest.raises(RuntimeError, match="injected snapshot copy fault"):
+        await stage_snapshots(
+            store,
+            {k: b for k, b in zip(keys(2, 7), (2, 3), strict=True)},
+            holder.engine.cache.layout.dtype,
+            broken_copy,
+            holder.counters,
+        )
+    assert not any(store.contains(k) or store.is_staging(k) for k in keys(2, 7))
+    for block, key in enumerate(first):
+        tier, rows = stored_rows(store, key)
+        assert tier == CPU_TIER
+        assert torch.equal(rows, engine_rows(holder.engine, block))
+    assert store.stats().device_snapshots == 0

@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 
+from xinference.model.llm.vllm.xavier.engine import device as device_module
 from xinference.model.llm.vllm.xavier.engine.device import (
     CpuStorageHandle,
     export_tensors,
@@ -113,3 +114,28 @@ def test_empty_and_mixed_inputs_are_refused():
         export_tensors([])
     with pytest.raises(ValueError, match="meta"):
         export_tensors([torch.empty(2, device="meta")])
+
+
+def test_cpu_threads_are_capped_never_raised(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setenv(device_module.CPU_THREADS_ENV, "3")
+        assert device_module.limit_cpu_threads() == 3 == torch.get_num_threads()
+        monkeypatch.setenv(device_module.CPU_THREADS_ENV, "8")
+        assert device_module.limit_cpu_threads() == 3  # a cap, not a raise
+        monkeypatch.delenv(device_module.CPU_THREADS_ENV)
+        assert device_module.limit_cpu_threads() == min(
+            3, device_module.DEFAULT_CPU_THREADS
+        )
+        for bad in ("0", "two"):
+            monkeypatch.setenv(device_module.CPU_THREADS_ENV, bad)
+            with pytest.raises(ValueError, match=device_module.CPU_THREADS_ENV):
+                device_module.limit_cpu_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_host_to_device_leaves_host_tensors_on_a_cpu_cache():
+    ids = torch.tensor([3, 1, 2])
+    assert device_module.host_to_device(ids, torch.device("cpu")) is ids

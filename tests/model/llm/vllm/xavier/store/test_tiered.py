@@ -444,6 +444,46 @@ def test_a_batch_copies_its_demotions_together_and_undoes_them_on_a_fault(
     assert store.stats().demotions == 4
 
 
+def test_demoted_snapshots_in_transit_are_neither_leased_nor_evicted():
+    """Between ``reserve_stage_batch`` and ``settle_stage_batch`` a demoted
+    snapshot's CPU rows are not written yet: a lease must miss it and no later
+    batch may drop it; once its copy ran and the batch settled, it reads back
+    whole from the CPU tier."""
+    store = make_store(device_blocks=1, cpu_blocks=1)
+    put(store, 1)
+    batch = store.reserve_stage_batch([key(2)], "bfloat16")
+    assert list(batch.demotions) == [key(1)]
+    assert [slot.key for slot in batch.slots] == [key(2)]
+    assert store.lease("early", [key(1)]) == []
+    # The one CPU slot is in transit and the device slot is staging: no room.
+    assert store.reserve_stage_batch([key(3)], "bfloat16").slots == []
+    assert store.contains(key(1))
+    store.copy_demotions(batch)
+    store.settle_stage_batch(batch, demotions_copied=True)
+    tier, data = read(store, 1)
+    assert tier == CPU_TIER and torch.equal(data, payload(1))
+    write_layers(store, batch.slots[0], payload(2), range(L))
+    store.publish(key(2))
+    tier, data = read(store, 2)
+    assert tier == DEVICE_TIER and torch.equal(data, payload(2))
+
+
+def test_a_batch_settled_without_its_copy_is_undone():
+    """The demotions' copy did not run (it failed): the batch's slots are
+    aborted and the demoted snapshot is back, whole and leasable, on the device."""
+    store = make_store(device_blocks=1, cpu_blocks=1)
+    put(store, 1)
+    batch = store.reserve_stage_batch([key(2)], "bfloat16")
+    store.settle_stage_batch(batch, demotions_copied=False)
+    assert not store.is_staging(key(2)) and not store.contains(key(2))
+    tier, data = read(store, 1)
+    assert tier == DEVICE_TIER and torch.equal(data, payload(1))
+    stats = store.stats()
+    assert (stats.demotions, stats.staging_snapshots, stats.cpu_snapshots) == (0, 0, 0)
+    put(store, 2)  # the CPU slot was given back
+    assert tier_of(store, 1) == CPU_TIER
+
+
 # ---- leases --------------------------------------------------------------------------
 
 

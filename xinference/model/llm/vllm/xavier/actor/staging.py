@@ -44,21 +44,40 @@ async def stage_snapshots(
     synchronised the stream that wrote them), and must not let them be reused
     before this returns.
     """
-    staged: list[tuple[StageSlot, int]] = []
     try:
-        slots = store.begin_stage_batch(list(sources), logical_dtype)
-        staged = [(slot, sources[slot.key]) for slot in slots]
+        batch = store.reserve_stage_batch(list(sources), logical_dtype)
+    except BaseException:
+        counters.stage_failures += 1
+        raise
+    staged = [(slot, sources[slot.key]) for slot in batch.slots]
+    demoted = False
+
+    def demote_then_copy() -> None:
+        # In a worker thread: the demotions' device-to-host copy can take
+        # milliseconds, and this actor shares its event loop with the replica's
+        # model actor, which streams every token. The demotions read device rows
+        # that the staged snapshots overwrite next, hence this order.
+        nonlocal demoted
+        store.copy_demotions(batch)
+        demoted = True
         if staged:
-            await finish_even_if_cancelled(asyncio.to_thread(copy, staged))
-            layers = range(store.geometry.num_layers)
-            for slot, _ in staged:
-                store.mark_layers_written(slot.key, layers)
-            for slot, _ in staged:
-                store.publish(slot.key)
+            copy(staged)
+
+    try:
+        try:
+            if batch.demotions or staged:
+                await finish_even_if_cancelled(asyncio.to_thread(demote_then_copy))
+        finally:
+            store.settle_stage_batch(batch, demotions_copied=demoted)
+        layers = range(store.geometry.num_layers)
+        for slot, _ in staged:
+            store.mark_layers_written(slot.key, layers)
+        for slot, _ in staged:
+            store.publish(slot.key)
     except BaseException:
         counters.stage_failures += 1
         for slot, _ in staged:
-            if not store.contains(slot.key):
+            if store.is_staging(slot.key):
                 store.abort_stage(slot.key)
         raise
     counters.snapshots_staged += len(staged)

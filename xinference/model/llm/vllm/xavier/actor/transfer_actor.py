@@ -31,7 +31,12 @@ import xoscar as xo
 from ..aio import ActorRefs
 from ..config import DEFAULT_TRANSPORT, TRANSPORTS, transfer_actor_uid
 from ..engine.blocks import BlockMajorCache
-from ..engine.device import SharedTensorHandles, import_tensors, release_memory
+from ..engine.device import (
+    SharedTensorHandles,
+    import_tensors,
+    limit_cpu_threads,
+    release_memory,
+)
 from ..engine.layout import detect_layout
 from ..hashing import BlockHash
 from ..stats import ActorCounters, EngineInfo, LatencyRecorder, XavierStats
@@ -148,15 +153,17 @@ class XavierTransferActor(xo.StatelessActor):
 
     async def __post_create__(self) -> None:
         config = self._config
+        threads = limit_cpu_threads()
         self._tracker = await self._deadline(
             xo.actor_ref(config.tracker_address, config.tracker_uid)
         )
         await self._deadline(self._tracker.register_replica(config.rank, self.address))
         logger.info(
-            "Xavier transfer actor rank %d of %s at %s",
+            "Xavier transfer actor rank %d of %s at %s (%d CPU threads for torch)",
             config.rank,
             config.model_uid,
             self.address,
+            threads,
         )
 
     async def __pre_destroy__(self) -> None:

@@ -45,6 +45,36 @@ def fence(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+# Cap on torch's CPU threads in a transfer actor's process; the variable overrides.
+CPU_THREADS_ENV = "XAVIER_TORCH_THREADS"
+DEFAULT_CPU_THREADS = 2
+
+
+def limit_cpu_threads() -> int:
+    """Cap torch's intra-op CPU threads in this process (never raise them); the
+    cap in force.
+
+    A transfer actor's CPU work is copies of a few MiB (demotions into the CPU
+    tier, CPU-tier reads), which gain little past a couple of threads. torch's
+    default is a thread per core, and after each parallel region those threads
+    spin a while before they sleep: on a 16-core GPU host the two replicas'
+    processes kept 30 of them about 10% busy each while serving, beside the
+    engines' CPU-bound threads.
+    """
+    text = os.environ.get(CPU_THREADS_ENV)
+    try:
+        wanted = DEFAULT_CPU_THREADS if text is None else int(text)
+    except ValueError:
+        raise ValueError(
+            f"{CPU_THREADS_ENV} must be an integer, got {text!r}"
+        ) from None
+    if wanted < 1:
+        raise ValueError(f"{CPU_THREADS_ENV} must be at least 1, got {wanted}")
+    if torch.get_num_threads() > wanted:
+        torch.set_num_threads(wanted)
+    return torch.get_num_threads()
+
+
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor's copy on ``device``, queued without waiting for the device.
 

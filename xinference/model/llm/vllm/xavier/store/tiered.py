@@ -140,7 +140,9 @@ class TieredKVSnapshotStore:
 
     Not thread-safe by design: one transfer actor owns the store and calls it from
     its event loop, one call at a time, so there are no locks inside. Calls are
-    short (bookkeeping plus one batched copy of the snapshots demoted).
+    bookkeeping, except the demotions' copy: ``begin_stage_batch`` runs it in
+    place, ``copy_demotions`` on whatever thread calls it (it reads only its batch
+    and the tier tensors, whose rows the batch has reserved).
     """
 
     def __init__(
@@ -188,8 +190,10 @@ class TieredKVSnapshotStore:
         self._device_hits = 0
         self._cpu_hits = 0
         self._demotions = 0
-        # demotions whose copy is queued, while begin_stage_batch runs
+        # demotions whose copy is queued, while reserve_stage_batch runs
         self._pending_demotions: dict[BlockHash, _Demotion] | None = None
+        # demoted snapshots whose CPU rows are not written yet (see StageBatch)
+        self._in_transit: set[BlockHash] = set()
         self._drops = 0
         self._skips = 0
         self._published = 0
@@ -233,6 +237,30 @@ class TieredKVSnapshotStore:
         demoted snapshot is back, whole, in its device slot (its rows there were not
         written meanwhile). CPU snapshots dropped to make room stay dropped
         (``take_dropped`` reports them).
+
+        Copies on the calling thread; ``reserve_stage_batch`` lets a caller on an
+        event loop run the copy elsewhere.
+        """
+        batch = self.reserve_stage_batch(keys, logical_dtype)
+        try:
+            self.copy_demotions(batch)
+        except BaseException:
+            self.settle_stage_batch(batch, demotions_copied=False)
+            raise
+        self.settle_stage_batch(batch, demotions_copied=True)
+        return batch.slots
+
+    def reserve_stage_batch(
+        self, keys: Sequence[BlockHash], logical_dtype: str
+    ) -> StageBatch:
+        """The bookkeeping of ``begin_stage_batch``, without the demotions' copy.
+
+        The demoted snapshots are in transit until ``settle_stage_batch``: not
+        leasable (a miss for whoever asks) nor evictable, since their CPU rows are
+        not written yet. The caller runs ``copy_demotions(batch)`` (on any thread:
+        it reads only the batch and the tier tensors) before writing the batch's
+        slots, whose device rows the demotions read, then settles the batch on the
+        thread that owns the store.
         """
         if not isinstance(logical_dtype, str) or not logical_dtype:
             raise ValueError(
@@ -252,7 +280,6 @@ class TieredKVSnapshotStore:
                 tier, slot = placement
                 self._snapshots[key] = _Snapshot(key, tier.name, slot, logical_dtype)
                 reserved.append(StageSlot(key, tier.name, slot, tier.first_row(slot)))
-            self._copy_demotions(pending)
         except BaseException:
             for stage_slot in reversed(reserved):
                 self.abort_stage(stage_slot.key)
@@ -260,7 +287,48 @@ class TieredKVSnapshotStore:
             raise
         finally:
             self._pending_demotions = None
-        return reserved
+        for key in pending:
+            self._cpu_tier.order.pin(key)
+            self._in_transit.add(key)
+        return StageBatch(reserved, pending)
+
+    def copy_demotions(self, batch: StageBatch) -> None:
+        """Copy the rows of ``batch``'s demotions from the device tier to their CPU
+        slots: one gather, one device-to-host copy and one fence for all of them."""
+        demotions = batch.demotions
+        if not demotions:
+            return
+        device, cpu = self._device_tier, self._cpu_tier
+        num_layers = device.num_layers
+        copy_rows(
+            device.rows,
+            slot_rows_index(
+                [device.first_row(d.device_slot) for d in demotions.values()],
+                num_layers,
+            ),
+            cpu.rows,
+            slot_rows_index(
+                [cpu.first_row(d.cpu_slot) for d in demotions.values()], num_layers
+            ),
+        )
+        # The device slots go to new snapshots next, whose writer may use another
+        # stream: the reads out of them must have completed.
+        fence(self.device)
+
+    def settle_stage_batch(self, batch: StageBatch, demotions_copied: bool) -> None:
+        """End the transit of ``batch``'s demotions. Copied: they are leasable in
+        the CPU tier. Not copied: the batch is undone as ``begin_stage_batch``
+        says (its slots still staging are aborted, the demoted snapshots go back to
+        their device slots); the batch's slots must not have been written then."""
+        for key in batch.demotions:
+            self._in_transit.discard(key)
+            self._cpu_tier.order.unpin(key)
+        if demotions_copied:
+            return
+        for stage_slot in reversed(batch.slots):
+            if self.is_staging(stage_slot.key):
+                self.abort_stage(stage_slot.key)
+        self._undo_demotions(batch.demotions)
 
     def mark_layers_written(self, key: BlockHash, layers: Iterable[int]) -> None:
         """Record that the caller wrote these layers' rows; each layer exactly once.
@@ -313,6 +381,11 @@ class TieredKVSnapshotStore:
         del self._snapshots[key]
         self._tier(record.tier).give_back_slot(record.slot)
 
+    def is_staging(self, key: BlockHash) -> bool:
+        """True while ``key`` has a reserved slot and is not published yet."""
+        record = self._snapshots.get(key)
+        return record is not None and record.state is SnapshotState.STAGING
+
     def contains(self, key: BlockHash) -> bool:
         """True only for a published snapshot."""
         record = self._snapshots.get(key)
@@ -336,7 +409,11 @@ class TieredKVSnapshotStore:
         grants: list[tuple[str, int, str]] = []
         for key in keys:
             record = self._snapshots.get(key)
-            if record is None or record.state is not SnapshotState.PUBLISHED:
+            if (
+                record is None
+                or record.state is not SnapshotState.PUBLISHED
+                or key in self._in_transit
+            ):
                 break
             tier = self._tier(record.tier)
             tier.order.touch(key)
@@ -494,8 +571,8 @@ class TieredKVSnapshotStore:
         """Move an unleased published device snapshot into a free CPU slot.
 
         Only the bookkeeping happens here; the copy is queued for the batch
-        (``begin_stage_batch``), which runs it before anyone can lease the key or
-        write the device slot, and undoes the move if it fails.
+        (``reserve_stage_batch``), which keeps the key in transit, neither leasable
+        nor evictable, until the copy has run; a failed copy undoes the move.
         """
         assert self._pending_demotions is not None, "demotions happen in a batch"
         record = self._snapshots[key]
@@ -511,28 +588,6 @@ class TieredKVSnapshotStore:
         cpu.order.touch(key)
         self._demotions += 1
 
-    def _copy_demotions(self, demotions: dict[BlockHash, _Demotion]) -> None:
-        """Copy the rows of the queued demotions from the device tier to their CPU
-        slots: one gather, one device-to-host copy and one fence for all of them."""
-        if not demotions:
-            return
-        device, cpu = self._device_tier, self._cpu_tier
-        num_layers = device.num_layers
-        copy_rows(
-            device.rows,
-            slot_rows_index(
-                [device.first_row(d.device_slot) for d in demotions.values()],
-                num_layers,
-            ),
-            cpu.rows,
-            slot_rows_index(
-                [cpu.first_row(d.cpu_slot) for d in demotions.values()], num_layers
-            ),
-        )
-        # The device slots go to new snapshots next, whose writer may use another
-        # stream: the reads out of them must have completed.
-        fence(self.device)
-
     def _undo_demotions(self, demotions: dict[BlockHash, _Demotion]) -> None:
         """Put snapshots whose demotion copy failed back into their device slots,
         which the caller has freed again (their rows were never overwritten)."""
@@ -545,6 +600,15 @@ class TieredKVSnapshotStore:
             record.tier, record.slot = DEVICE_TIER, demotion.device_slot
             device.order.touch(key)
             self._demotions -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class StageBatch:
+    """Slots reserved by ``reserve_stage_batch``, and the demotions that made room
+    for them, whose copy is still to run (key -> its device and CPU slot)."""
+
+    slots: list[StageSlot]
+    demotions: dict[BlockHash, _Demotion]
 
 
 @dataclass(frozen=True, slots=True)
