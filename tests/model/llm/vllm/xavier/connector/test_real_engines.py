@@ -367,6 +367,7 @@ def test_evicted_snapshot_is_a_miss(deployment):
     """The tracker still says A holds the prefix, but A's store no longer has it."""
     cluster = deployment.cluster
     cluster.call(cluster.tracker.register_blocks(0, lookup_keys(PROMPT_EVICTED)))
+    cluster.wait_published(lookup_keys(PROMPT_EVICTED), for_rank=1)
     timed_miss(deployment, PROMPT_EVICTED)
 
 
@@ -374,6 +375,7 @@ def test_refused_lease_is_a_miss(deployment):
     cluster = deployment.cluster
     address = cluster.start_peer(RefusingHolder, 5)
     cluster.call(cluster.tracker.register_blocks(5, lookup_keys(PROMPT_REFUSED)))
+    cluster.wait_published(lookup_keys(PROMPT_REFUSED), for_rank=1)
     timed_miss(deployment, PROMPT_REFUSED)
     import xoscar as xo
 
@@ -391,6 +393,7 @@ def test_holder_gone_is_a_miss(deployment):
     cluster = deployment.cluster
     cluster.call(cluster.tracker.register_replica(6, f"nixl://127.0.0.1:{port}"))
     cluster.call(cluster.tracker.register_blocks(6, lookup_keys(PROMPT_GONE)))
+    cluster.wait_published(lookup_keys(PROMPT_GONE), for_rank=1)
     timed_miss(deployment, PROMPT_GONE)
 
 
