@@ -348,15 +348,17 @@ def test_gather_snapshots_and_copy_to_rows_read_each_layer_of_each_block(
     assert torch.equal(cache.gather_snapshots(long(blocks)).cpu(), want)
 
     row_nbytes = cache.layout.layer_block_nbytes
-    rows = torch.zeros((8 * num_layers, row_nbytes), dtype=torch.uint8)
-    first_rows = [6 * num_layers, 0, 3 * num_layers, num_layers]
-    cache.copy_blocks_to_rows(long(blocks), rows, first_rows)
-    expected = torch.zeros_like(rows)
-    for i, first in enumerate(first_rows):
-        expected[first : first + num_layers] = want[
-            i * num_layers : (i + 1) * num_layers
-        ]
-    assert torch.equal(rows, expected)
+    # Scattered slots (an index copy), then consecutive ones (a slice copy).
+    for slots in ([6, 0, 3, 1], [2, 3, 4, 5]):
+        rows = torch.zeros((8 * num_layers, row_nbytes), dtype=torch.uint8)
+        first_rows = [slot * num_layers for slot in slots]
+        cache.copy_blocks_to_rows(long(blocks), rows, first_rows)
+        expected = torch.zeros_like(rows)
+        for i, first in enumerate(first_rows):
+            expected[first : first + num_layers] = want[
+                i * num_layers : (i + 1) * num_layers
+            ]
+        assert torch.equal(rows, expected), slots
 
 
 def test_scatter_rows_refuses_missing_or_repeated_destinations() -> None:

@@ -23,7 +23,14 @@ import torch
 
 from ..wire import KVGeometry
 from .device import host_to_device
-from .layout import WIDE_DTYPES, KVLayout, dtype_name, slot_rows_index, wide_view
+from .layout import (
+    WIDE_DTYPES,
+    KVLayout,
+    consecutive_snapshots,
+    dtype_name,
+    slot_rows_index,
+    wide_view,
+)
 
 
 class BlockMajorCache:
@@ -141,9 +148,14 @@ class BlockMajorCache:
         (``gather_snapshots``) and one copy where the layout allows."""
         target = wide_view(rows)  # views only: writes reach ``rows``
         snapshots = self.gather_snapshots(block_ids).to(rows.device)
-        indices = host_to_device(
-            slot_rows_index(first_rows, self.num_layers), rows.device
-        )
+        num_layers = self.num_layers
+        if first_rows and consecutive_snapshots(first_rows, num_layers):
+            # The usual case for the staging ring (lowest free slots first).
+            first = first_rows[0]
+            count = len(first_rows) * num_layers
+            target[first : first + count].copy_(wide_view(snapshots, target.dtype))
+            return
+        indices = host_to_device(slot_rows_index(first_rows, num_layers), rows.device)
         target.index_copy_(0, indices, wide_view(snapshots, target.dtype))
 
     def scatter(self, layer: int, block_ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -204,8 +204,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def slot_rows_index(first_rows: Sequence[int], num_layers: int) -> torch.Tensor:
     """Row indices of whole snapshots: ``num_layers`` rows from each first row."""
-    layers = torch.arange(num_layers)
-    return torch.cat([layers + first for first in first_rows])
+    firsts = torch.tensor(list(first_rows), dtype=torch.long)
+    return (firsts.view(-1, 1) + torch.arange(num_layers)).view(-1)
+
+
+def consecutive_snapshots(first_rows: Sequence[int], num_layers: int) -> bool:
+    """Whether snapshots starting at ``first_rows`` follow each other row for row
+    (then their rows are one slice, and a copy needs no index)."""
+    return all(
+        later - earlier == num_layers
+        for earlier, later in zip(first_rows, first_rows[1:], strict=False)
+    )
 
 
 def copy_rows(
