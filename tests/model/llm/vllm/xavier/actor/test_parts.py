@@ -370,8 +370,14 @@ def stored_rows(store: TieredKVSnapshotStore, key: bytes) -> tuple[str, torch.Te
     return tier, rows
 
 
-def engine_rows(engine: SyntheticEngine, block: int) -> torch.Tensor:
-    return engine.cache.gather_snapshots(torch.tensor([block]))
+def assert_held(holder: Holder, blocks: Sequence[int], held: list, tier: str) -> None:
+    """Each of ``held`` is published in ``tier`` with the rows of its engine block."""
+    for block, key in zip(blocks, held, strict=True):
+        where, rows = stored_rows(holder.store, key)
+        assert where == tier, (block, where)
+        assert torch.equal(
+            rows, holder.engine.cache.gather_snapshots(torch.tensor([block]))
+        )
 
 
 async def stage_more(holder: Holder, blocks: Sequence[int], salt: int) -> list:
@@ -402,13 +408,8 @@ async def test_staging_copies_its_demotions_off_the_event_loop():
     holder.engine.fill_random(range(2, 4), seed=5)
     assert await stage_more(holder, [2, 3], salt=5) == keys(2, 5)
     assert len(threads) == 1 and threads[0] != threading.get_ident()
-    for block, key in enumerate(first):
-        tier, rows = stored_rows(store, key)
-        assert tier == CPU_TIER and torch.equal(rows, engine_rows(holder.engine, block))
-    for block, key in zip((2, 3), keys(2, 5), strict=True):
-        tier, rows = stored_rows(store, key)
-        assert tier == DEVICE_TIER
-        assert torch.equal(rows, engine_rows(holder.engine, block))
+    assert_held(holder, [0, 1], first, CPU_TIER)
+    assert_held(holder, [2, 3], keys(2, 5), DEVICE_TIER)
 
 
 async def test_a_failed_demotion_copy_stages_nothing_and_keeps_the_victims():
@@ -424,10 +425,7 @@ async def test_a_failed_demotion_copy_stages_nothing_and_keeps_the_victims():
         await stage_more(holder, [2, 3], salt=6)
     assert holder.counters.stage_failures == 1
     assert not any(store.contains(k) or store.is_staging(k) for k in keys(2, 6))
-    for block, key in enumerate(first):
-        tier, rows = stored_rows(store, key)
-        assert tier == DEVICE_TIER
-        assert torch.equal(rows, engine_rows(holder.engine, block))
+    assert_held(holder, [0, 1], first, DEVICE_TIER)
     assert store.stats().cpu_snapshots == 0
 
 
@@ -447,8 +445,5 @@ async def test_a_failed_snapshot_copy_after_its_demotions_keeps_the_demotions():
             holder.counters,
         )
     assert not any(store.contains(k) or store.is_staging(k) for k in keys(2, 7))
-    for block, key in enumerate(first):
-        tier, rows = stored_rows(store, key)
-        assert tier == CPU_TIER
-        assert torch.equal(rows, engine_rows(holder.engine, block))
+    assert_held(holder, [0, 1], first, CPU_TIER)
     assert store.stats().device_snapshots == 0
