@@ -10,6 +10,7 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
     BLOCK_FIRST_LAYOUT,
     KV_FIRST_LAYOUT,
     PACKED_KV_LAYOUT,
+    copy_snapshot_rows,
     detect_layout,
     row_format,
     wide_view,
@@ -373,3 +374,40 @@ def test_scatter_rows_refuses_missing_or_repeated_destinations() -> None:
         cache.scatter_rows(0, rows, long([1, NB]))
     with pytest.raises(ValueError, match="bytes"):
         cache.scatter_rows(0, rows[:, 1:], long([1, 2]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "source_slots, target_slots",
+    [
+        ([1, 2, 3], [4, 5, 6]),  # slices on both sides
+        ([3, 0, 5], [1, 2, 3]),  # a gather, then a slice
+        ([2, 3, 4], [6, 0, 3]),  # a slice, then an indexed copy
+        ([5, 1, 4], [0, 6, 2]),  # indexed on both sides
+    ],
+)
+def test_copy_snapshot_rows_moves_whole_snapshots_between_devices(
+    device, source_slots, target_slots
+):
+    """Device to host as a demotion does, and within a device as the ring does."""
+    layers, width = 3, 16
+    source = torch.randint(0, 256, (8 * layers, width), dtype=torch.uint8).to(device)
+    for target_device in ("cpu", device):
+        target = torch.zeros(
+            (8 * layers, width), dtype=torch.uint8, device=target_device
+        )
+        copy_snapshot_rows(
+            source,
+            [s * layers for s in source_slots],
+            target,
+            [t * layers for t in target_slots],
+            layers,
+        )
+        expected = torch.zeros_like(target)
+        for s, t in zip(source_slots, target_slots, strict=True):
+            expected[t * layers : (t + 1) * layers] = source[
+                s * layers : (s + 1) * layers
+            ]
+        assert torch.equal(target.cpu(), expected.cpu())
+    with pytest.raises(ValueError, match="2 source snapshots for 1 target"):
+        copy_snapshot_rows(source, [0, layers], source, [0], layers)

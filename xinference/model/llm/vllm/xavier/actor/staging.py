@@ -20,7 +20,7 @@ import torch
 from ..aio import finish_even_if_cancelled
 from ..engine.blocks import BlockMajorCache
 from ..engine.device import fence
-from ..engine.layout import copy_rows, slot_rows_index
+from ..engine.layout import copy_snapshot_rows
 from ..hashing import BlockHash
 from ..stats import ActorCounters
 from ..store.tiered import StageSlot, TieredKVSnapshotStore
@@ -116,11 +116,13 @@ def copy_ring_into_store(
     for tier in (DEVICE_TIER, CPU_TIER):
         picked = [(slot, ring_slot) for slot, ring_slot in staged if slot.tier == tier]
         if picked:
-            copy_rows(
+            copy_snapshot_rows(
                 ring,
-                slot_rows_index([r * num_layers for _, r in picked], num_layers),
+                [r * num_layers for _, r in picked],
                 store.rows(tier),
-                slot_rows_index([slot.first_row for slot, _ in picked], num_layers),
+                [slot.first_row for slot, _ in picked],
+                num_layers,
             )
     fence(ring.device)
-    fence(store.device)
+    if store.device != ring.device:
+        fence(store.device)

@@ -13,7 +13,7 @@ pays only for queueing the copies.
 
 Ring slot ``s`` holds rows ``s*L .. s*L + L - 1``, row ``s*L + l`` being layer ``l``
 of one block: the store's own row layout, so the actor copies slots with one
-gather per tier (``engine.layout.copy_rows``).
+copy per tier (``engine.layout.copy_snapshot_rows``).
 """
 
 from __future__ import annotations

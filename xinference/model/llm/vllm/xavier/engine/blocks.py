@@ -23,14 +23,7 @@ import torch
 
 from ..wire import KVGeometry
 from .device import host_to_device
-from .layout import (
-    WIDE_DTYPES,
-    KVLayout,
-    consecutive_snapshots,
-    dtype_name,
-    slot_rows_index,
-    wide_view,
-)
+from .layout import WIDE_DTYPES, KVLayout, dtype_name, wide_view, write_snapshot_rows
 
 
 class BlockMajorCache:
@@ -146,17 +139,14 @@ class BlockMajorCache:
         of ``block_ids[i]`` to ``rows[first_rows[i] + l]`` (``rows`` uint8, maybe on
         another device). Copies are queued on the current stream: one gather
         (``gather_snapshots``) and one copy where the layout allows."""
-        target = wide_view(rows)  # views only: writes reach ``rows``
         snapshots = self.gather_snapshots(block_ids).to(rows.device)
-        num_layers = self.num_layers
-        if first_rows and consecutive_snapshots(first_rows, num_layers):
-            # The usual case for the staging ring (lowest free slots first).
-            first = first_rows[0]
-            count = len(first_rows) * num_layers
-            target[first : first + count].copy_(wide_view(snapshots, target.dtype))
-            return
-        indices = host_to_device(slot_rows_index(first_rows, num_layers), rows.device)
-        target.index_copy_(0, indices, wide_view(snapshots, target.dtype))
+        # The staging ring's slots usually follow each other: then one slice copy.
+        write_snapshot_rows(
+            rows,
+            first_rows,
+            wide_view(snapshots, wide_view(rows).dtype),
+            self.num_layers,
+        )
 
     def scatter(self, layer: int, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` ``(n, R)`` uint8 into blocks ``block_ids`` of ``layer``.

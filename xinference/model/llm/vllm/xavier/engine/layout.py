@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..wire import KVGeometry
+from .device import host_to_device
 
 PACKED_KV_LAYOUT = "packed_kv"
 KV_FIRST_LAYOUT = "kv_first"
@@ -217,15 +218,54 @@ def consecutive_snapshots(first_rows: Sequence[int], num_layers: int) -> bool:
     )
 
 
-def copy_rows(
-    source: torch.Tensor,
-    source_rows: torch.Tensor,
+def read_snapshot_rows(
+    source: torch.Tensor, first_rows: Sequence[int], num_layers: int
+) -> torch.Tensor:
+    """The rows of whole snapshots starting at ``first_rows`` of ``source``, in
+    order, in ``source``'s widest element type: a view when they follow each
+    other, else one gather (its index queued without waiting for the device)."""
+    wide = wide_view(source)
+    if consecutive_snapshots(first_rows, num_layers):
+        first = first_rows[0] if first_rows else 0
+        return wide[first : first + len(first_rows) * num_layers]
+    index = host_to_device(slot_rows_index(first_rows, num_layers), source.device)
+    return wide.index_select(0, index)
+
+
+def write_snapshot_rows(
     target: torch.Tensor,
-    target_rows: torch.Tensor,
+    first_rows: Sequence[int],
+    rows: torch.Tensor,
+    num_layers: int,
 ) -> None:
-    """``target[target_rows] = source[source_rows]`` for rows of equal width, on any
-    two devices: one gather and one copy, whatever the number of rows."""
-    wide_source = wide_view(source)
-    wide_target = target.view(wide_source.dtype)  # a view, or an error: never a copy
-    picked = wide_source.index_select(0, source_rows.to(source.device))
-    wide_target.index_copy_(0, target_rows.to(target.device), picked.to(target.device))
+    """Write ``rows`` (whole snapshots, in order, on ``target``'s device and of
+    its width) into the snapshots starting at ``first_rows`` of ``target``: one
+    slice copy when they follow each other, else one indexed copy."""
+    wide = target.view(rows.dtype)  # a view, or an error: never a copy
+    if consecutive_snapshots(first_rows, num_layers):
+        first = first_rows[0] if first_rows else 0
+        wide[first : first + len(first_rows) * num_layers].copy_(rows)
+        return
+    index = host_to_device(slot_rows_index(first_rows, num_layers), target.device)
+    wide.index_copy_(0, index, rows)
+
+
+def copy_snapshot_rows(
+    source: torch.Tensor,
+    source_first_rows: Sequence[int],
+    target: torch.Tensor,
+    target_first_rows: Sequence[int],
+    num_layers: int,
+) -> None:
+    """Whole snapshots from ``source`` rows to ``target`` rows of equal width, on
+    any two devices: snapshot ``i`` from ``source_first_rows[i]`` to
+    ``target_first_rows[i]``."""
+    if len(source_first_rows) != len(target_first_rows):
+        raise ValueError(
+            f"{len(source_first_rows)} source snapshots for "
+            f"{len(target_first_rows)} target snapshots"
+        )
+    if not source_first_rows:
+        return
+    rows = read_snapshot_rows(source, source_first_rows, num_layers)
+    write_snapshot_rows(target, target_first_rows, rows.to(target.device), num_layers)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.device import fence
-from ..engine.layout import copy_rows, slot_rows_index
+from ..engine.layout import copy_snapshot_rows
 from ..hashing import BlockHash
 from ..stats import StoreStats
 from ..wire import CPU_TIER, DEVICE_TIER, KVGeometry
@@ -300,16 +300,12 @@ class TieredKVSnapshotStore:
             return
         device, cpu = self._device_tier, self._cpu_tier
         num_layers = device.num_layers
-        copy_rows(
+        copy_snapshot_rows(
             device.rows,
-            slot_rows_index(
-                [device.first_row(d.device_slot) for d in demotions.values()],
-                num_layers,
-            ),
+            [device.first_row(d.device_slot) for d in demotions.values()],
             cpu.rows,
-            slot_rows_index(
-                [cpu.first_row(d.cpu_slot) for d in demotions.values()], num_layers
-            ),
+            [cpu.first_row(d.cpu_slot) for d in demotions.values()],
+            num_layers,
         )
         # The device slots go to new snapshots next, whose writer may use another
         # stream: the reads out of them must have completed.
