@@ -34,7 +34,7 @@ CHANGE_LOG_KEYS = 200_000
 # holds back what rank -1 queries see.
 MIRROR_GRACE_S = 5.0
 # After a change wakes a waiting mirror, its answer waits this long for more.
-MIRROR_BATCH_S = 0.005
+MIRROR_BATCH_S = 0.02
 
 
 def tracker_uid(model_uid: str) -> str:

@@ -72,10 +72,17 @@ class _InFlightLoad:
 
 @dataclass(slots=True)
 class _RingStaging:
-    """Ring slots handed to the actor, until it has copied them out."""
+    """Blocks copied into ring slots, until the actor has copied them out.
+
+    Handed to the actor (``future`` set) only once the copies into the ring have
+    completed on the device, which the engine's thread checks without blocking at
+    each step: no thread waits on the device for it, and the background loop only
+    makes the call (its Python competes with the engine's thread for the GIL)."""
 
     slots: list[int]
-    future: concurrent.futures.Future[None]
+    keys: list[BlockHash]
+    copied: device.DeviceWorkMark
+    future: concurrent.futures.Future[None] | None = None
 
 
 # Returns this replica's transfer actor (an xoscar actor ref, or a test object with
@@ -360,6 +367,8 @@ class WorkerSide:
         """
         if self._in_flight and self._actor is not None:
             self._run_actor(self._poll(finished_req_ids), self._settings.rpc_timeout_s)
+        if self._ring_stagings:
+            self._hand_over_ring_stagings()  # once a step, whatever else happens
         if not self._settings.load_async:
             # Synchronous loads finished inside start_load_kv; vLLM does not wait
             # for them here.
@@ -436,18 +445,28 @@ class WorkerSide:
         copied = device.DeviceWorkMark(self._ring.rows.device)
         copied.mark()
         keys = [item.key for item in items]
-        future = self._loop.submit(self._stage_ring(keys, slots, copied))
-        self._ring_stagings.append(_RingStaging(slots, future))
+        self._ring_stagings.append(_RingStaging(slots, keys, copied))
+        self._hand_over_ring_stagings()
 
-    async def _stage_ring(
-        self, keys: list[BlockHash], slots: list[int], copied: device.DeviceWorkMark
-    ) -> None:
-        # The actor reads the ring from another process: the copies into it (and
-        # the forward before them) must have completed. Wait off the loop thread.
-        await asyncio.to_thread(copied.wait)
-        await with_deadline(
-            self._actor.stage_ring(keys, slots), self._settings.rpc_timeout_s
-        )
+    def _hand_over_ring_stagings(self, wait_for_oldest: bool = False) -> None:
+        """Hand the actor, oldest first, the ring stagings whose copies into the
+        ring have completed (the actor reads the ring from another process); with
+        ``wait_for_oldest``, the oldest not handed over yet after waiting for its
+        copies on the device."""
+        for staging in self._ring_stagings:
+            if staging.future is not None:
+                continue
+            if not staging.copied.done():
+                if not wait_for_oldest:
+                    return
+                staging.copied.wait()
+                wait_for_oldest = False
+            staging.future = self._loop.submit(
+                with_deadline(
+                    self._actor.stage_ring(staging.keys, staging.slots),
+                    self._settings.rpc_timeout_s,
+                )
+            )
 
     def _collect_ring_stagings(self, wait_for: int | None) -> None:
         """Take back the ring slots of finished stagings, oldest first: those that
@@ -455,13 +474,17 @@ class WorkerSide:
         that failed only costs future hits: it is logged. Slots of one that timed
         out are retired, since the actor may still be reading them."""
         assert self._ring is not None
+        self._hand_over_ring_stagings()
         waited = 0
         while self._ring_stagings:
             staging = self._ring_stagings[0]
-            if not staging.future.done():
+            if staging.future is None or not staging.future.done():
                 if wait_for is not None and waited >= wait_for:
                     return
                 waited += 1
+                if staging.future is None:
+                    self._hand_over_ring_stagings(wait_for_oldest=True)
+            assert staging.future is not None
             self._ring_stagings.popleft()
             try:
                 # The deadline is enforced in the loop; the extra second only

@@ -115,6 +115,12 @@ class DeviceWorkMark:
             self._event.synchronize()
             self._pending = False
 
+    def done(self) -> bool:
+        """Whether the work up to the last mark has completed; never blocks."""
+        if self._pending and self._event.query():
+            self._pending = False
+        return not self._pending
+
 
 @dataclass(frozen=True, slots=True)
 class CpuStorageHandle:
