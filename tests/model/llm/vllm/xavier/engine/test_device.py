@@ -139,3 +139,33 @@ def test_cpu_threads_are_capped_never_raised(monkeypatch):
 def test_host_to_device_leaves_host_tensors_on_a_cpu_cache():
     ids = torch.tensor([3, 1, 2])
     assert device_module.host_to_device(ids, torch.device("cpu")) is ids
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="needs a CUDA device (torch sees none)",
+                ),
+            ],
+        ),
+    ],
+)
+def test_a_work_mark_says_when_the_work_before_it_is_done(device):
+    mark = device_module.DeviceWorkMark(device)
+    assert mark.done()  # nothing marked yet
+    n = 4096 if device == "cuda" else 64
+    big = torch.ones(n, n, device=device)
+    for _ in range(8):
+        big = big @ big / n  # queued work on a GPU
+    mark.mark()
+    while not mark.done():  # never blocks; the GPU finishes on its own
+        pass
+    mark.wait()  # and waiting after it is done returns at once
+    assert mark.done() and float(big[0, 0]) == 1.0
