@@ -6,7 +6,8 @@
 # Phases, each bounded so that one call fits the session's device time (PHASES
 # picks a subset, e.g. PHASES="floor transport"):
 #   floor      raw NIXL READ/WRITE between two processes (benchmark/nixl_floor.py);
-#   transport  the transport benchmark on VRAM (xoscar slabs vs direct NIXL);
+#   transport  the transport benchmark on VRAM (xoscar slabs vs direct NIXL), once
+#              per engine allocation in ALLOCATIONS, with TRANSPORT_ARGS;
 #   tests      every CUDA-marked Xavier test (CUDA IPC mapping, NIXL VRAM loads,
 #              BF16 bit patterns, demotion and reload).
 # Every phase runs with UCX_PROTO_INFO=y; *-protocols.txt sums up which protocol
@@ -40,11 +41,19 @@ if [[ $phases == *floor* ]]; then
   protocols "$OUT/floor.log" "$OUT/floor-protocols.txt"
 fi
 if [[ $phases == *transport* ]]; then
-  UCX_PROTO_INFO=y timeout "${BENCH_TIMEOUT:-180}" python3 \
-    benchmark/transport_benchmark.py --device cuda --loads "${LOADS:-200}" \
-    --json "$OUT/transport.json" > "$OUT/transport.log" 2>&1
-  echo "transport benchmark rc=$?" >> "$OUT/env.txt"
-  protocols "$OUT/transport.log" "$OUT/transport-protocols.txt"
+  # One run per engine allocation in ALLOCATIONS (e.g. "per-layer cross-layer");
+  # TRANSPORT_ARGS adds options to each (e.g. "--cases nixl-slab,nixl-read").
+  for allocation in ${ALLOCATIONS:-per-layer}; do
+    # shellcheck disable=SC2086  # TRANSPORT_ARGS is a list of options
+    UCX_PROTO_INFO=y timeout "${BENCH_TIMEOUT:-180}" python3 \
+      benchmark/transport_benchmark.py --device cuda --loads "${LOADS:-200}" \
+      --engine-allocation "$allocation" ${TRANSPORT_ARGS:-} \
+      --json "$OUT/transport-$allocation.json" > "$OUT/transport-$allocation.log" 2>&1
+    echo "transport benchmark ($allocation) rc=$?" >> "$OUT/env.txt"
+  done
+  cat "$OUT"/transport-*.log > "$OUT/transport-all.txt"
+  protocols "$OUT/transport-all.txt" "$OUT/transport-protocols.txt"
+  rm "$OUT/transport-all.txt"
 fi
 xavier=tests/model/llm/vllm/xavier
 if [[ $phases == *tests* ]]; then
@@ -58,4 +67,9 @@ if [[ $phases == *tests* ]]; then
 fi
 cat "$OUT/env.txt" "$OUT"/*-protocols.txt "$OUT/cuda-tests-summary.txt" 2>/dev/null
 grep "^|" "$OUT/floor.log" 2>/dev/null
-grep -E "^\||peer check|^UCX" "$OUT/transport.log" 2>/dev/null
+grep -h -E "^\||peer check|^UCX|^device " "$OUT"/transport-*.log 2>/dev/null
+# PACK=1: everything in one archive (a device call brings back at most 8 files).
+if [[ -n ${PACK:-} ]]; then
+  tar czf /tmp/h200-run.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* \
+    && mv /tmp/h200-run.tgz "$OUT/"
+fi
