@@ -15,14 +15,22 @@ How a load works:
   per peer and epoch (holder op ``endpoint_info``) and pulls the rows with one READ
   per chunk. The holder's CPU does nothing: no packing, no handshake, no completion
   message; the loader sees completion by polling the transfer state.
-- Placement ``slab`` (what serving uses) reads each chunk into the receive slab, one
-  descriptor per run of consecutive holder rows, and hands it to ``scatter``.
-  Placement ``engine`` reads straight into the destination engine blocks, one
-  descriptor per contiguous piece of a block, and copies nothing afterwards; but a
-  READ that misses its deadline may still land later on transports that need the
-  peer's progress (``tcp``), and then into engine blocks that vLLM may have handed
-  to a recomputation (the timeout says so: ``destination_at_risk``). With ``slab``
-  a late READ lands in a retired slab. Wire bytes equal useful bytes in both.
+- Placement ``slab`` reads each chunk into the receive slab, one descriptor per run
+  of consecutive holder rows, and hands it to ``scatter``. Placement ``engine``
+  reads straight into the destination engine blocks, one descriptor per contiguous
+  piece of a block, and copies nothing afterwards; but a READ that misses its
+  deadline may still land later on transports that need the peer's progress
+  (``tcp``), and then into engine blocks that vLLM may have handed to a
+  recomputation (the timeout says so: ``destination_at_risk``). With ``slab`` a
+  late READ lands in a retired slab. Wire bytes equal useful bytes in both.
+- Placement ``auto`` (what serving uses) chooses per load: ``engine`` where it is
+  both cheap and safe, else ``slab``. Cheap: the engine cache is laid out so that a
+  block of every layer is one contiguous range in the store's row order
+  (``EngineBlockMap.whole_blocks``, vLLM's cross-layer allocation), so a snapshot
+  is one descriptor and a load needs no slab, no scatter and no fence; with
+  per-layer allocations a block is a piece per layer (a descriptor each, ~9 us
+  apiece over cuda_ipc), and the slab is faster. Safe: the READ from this peer
+  cannot outlive its deadline (``engine_reads_are_bounded``).
 
 Deadlines: every READ has one (``transfer_timeout_s``); a lost peer fails the load
 with ``NixlTransferError`` (UCX reports the disconnect) and a stalled one with
@@ -36,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -49,7 +57,7 @@ from ...stats import TransportStats
 from ...wire import KVGeometry, TransportHint
 from ..base import HolderCall, HolderOp, LocateRows, TransportContext
 from ..xoscar.gpu_transfer import ScatterFn, full_slab_bytes
-from .endpoint import NixlAgentEndpoint
+from .endpoint import NixlAgentEndpoint, PeerPath
 from .plan import (
     EngineBlockMap,
     ReadPlan,
@@ -66,7 +74,56 @@ T = TypeVar("T")
 
 PLACEMENT_SLAB = "slab"
 PLACEMENT_ENGINE = "engine"
-PLACEMENTS = (PLACEMENT_SLAB, PLACEMENT_ENGINE)
+PLACEMENT_AUTO = "auto"
+PLACEMENTS = (PLACEMENT_SLAB, PLACEMENT_ENGINE, PLACEMENT_AUTO)
+
+# (the path a peer check found to a holder, or None) -> whether a READ from it can
+# go straight into engine blocks under ``auto`` placement
+EngineReadPolicy = Callable[[PeerPath | None], bool]
+
+
+def engine_reads_are_bounded(path: PeerPath | None) -> bool:
+    """Whether a READ over ``path`` ends (done or failed) without the peer's help,
+    so that one which missed its deadline cannot land in engine blocks later.
+
+    Only VRAM to VRAM on one host, with UCX's software emulation off in this agent
+    and cuda_ipc offered by both sides. With emulation off a VRAM READ can only
+    take a zero-copy protocol, and the peer check READ succeeded over one; on one
+    host that is cuda_ipc, where this side copies from the peer's memory mapped
+    into its own context: the copy is queued on this side's device and completes
+    or fails there, whatever the peer does. (A network zero-copy READ, RDMA,
+    needs no peer progress either, but is not what was measured; it stays on the
+    slab.) DRAM reads are refused: UCX may pick tcp for them (or shared-memory
+    transports that progress through the peer), where a READ that missed its
+    deadline can land seconds later. A READ that misses its deadline even so
+    raises ``NixlTransferTimeout`` with ``destination_at_risk``.
+    """
+    return (
+        path is not None
+        and path.local_mem_type == "VRAM"
+        and path.remote_mem_type == "VRAM"
+        and path.same_host
+        and path.zero_copy_only
+        and "cuda_ipc" in path.transports
+    )
+
+
+def whole_block_engine(
+    engine_layers: Sequence[torch.Tensor] | None,
+    engine_block_axis: int | None,
+    row_bytes: int,
+) -> bool:
+    """Whether ``engine_layers`` hold each block of every layer as one contiguous
+    range in the store's row order (``EngineBlockMap.whole_blocks``)."""
+    if not engine_layers or engine_block_axis is None:
+        return False
+    try:
+        engine_map = EngineBlockMap.from_layers(
+            engine_layers, engine_block_axis, row_bytes
+        )
+    except ValueError:
+        return False
+    return engine_map.whole_blocks
 
 
 class NixlDirectTransport:
@@ -87,7 +144,11 @@ class NixlDirectTransport:
         transfer_timeout_s: float | None = None,
         placement: str = PLACEMENT_ENGINE,
         locate_rows: LocateRows | None = None,
+        engine_read_policy: EngineReadPolicy = engine_reads_are_bounded,
     ) -> None:
+        """``engine_read_policy`` decides, under ``auto`` placement, which peers'
+        READs may land straight in engine blocks (tests stand in for VRAM with
+        it)."""
         if rpc_timeout_s <= 0:
             raise ValueError(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
         if placement not in PLACEMENTS:
@@ -104,6 +165,7 @@ class NixlDirectTransport:
         self._rpc_timeout_s = rpc_timeout_s
         self._transfer_timeout_s = transfer_timeout_s or rpc_timeout_s
         self._placement = placement
+        self._engine_read_policy = engine_read_policy
         self._locate_rows = locate_rows  # holder side: where leased keys sit
         self.rows_per_read = endpoint.slab.numel() // geometry.layer_block_nbytes
         self._counters = TransportStats()
@@ -132,12 +194,23 @@ class NixlDirectTransport:
         engine_block_axis: int | None = None,
         slab_bytes: int | None = None,
         locate_rows: LocateRows | None = None,
+        engine_read_policy: EngineReadPolicy = engine_reads_are_bounded,
     ) -> NixlDirectTransport:
         """An endpoint for this actor's memory and a transport over it.
 
-        ``engine_layers`` are registered only for ``engine`` placement;
+        ``engine_layers`` are registered for ``engine`` placement, and for ``auto``
+        where each block of every layer is one contiguous range
+        (``whole_block_engine``; per-layer caches keep to the slab);
         ``locate_rows`` serves the ``source`` holder op."""
-        use_engine = placement == PLACEMENT_ENGINE and engine_layers is not None
+        use_engine = engine_layers is not None and (
+            placement == PLACEMENT_ENGINE
+            or (
+                placement == PLACEMENT_AUTO
+                and whole_block_engine(
+                    engine_layers, engine_block_axis, geometry.layer_block_nbytes
+                )
+            )
+        )
         endpoint = await NixlAgentEndpoint.create(
             name,
             row_bytes=geometry.layer_block_nbytes,
@@ -153,6 +226,7 @@ class NixlDirectTransport:
             transfer_timeout_s=transfer_timeout_s,
             placement=placement,
             locate_rows=locate_rows,
+            engine_read_policy=engine_read_policy,
         )
 
     @property
@@ -181,12 +255,14 @@ class NixlDirectTransport:
         ``hint`` (from the grant: the holder's epoch and each key's first row)
         spares the ``source`` round trip to the holder.
 
-        With ``engine`` placement and ``dst_block_ids`` (one engine block per key),
-        the READ lands in the engine blocks and ``scatter`` is not called; otherwise
-        each chunk is read into the receive slab and handed to ``scatter``. Returns
-        or raises once no READ is writing into this side's memory any more; device
-        work that ``scatter`` queued may still run (the caller fences before the
-        engine reads the blocks; the next READ into the slab waits for it).
+        With ``dst_block_ids`` (one engine block per key) and ``engine`` placement,
+        or ``auto`` placement where ``places_in_engine`` says so, the READ lands in
+        the engine blocks and ``scatter`` is not called: the READ's completion is
+        the end of the load. Otherwise each chunk is read into the receive slab and
+        handed to ``scatter``. Returns or raises once no READ is writing into this
+        side's memory any more; device work that ``scatter`` queued may still run
+        (the caller completes it before the engine reads the blocks; the next READ
+        into the slab waits for it).
         """
         self._check_open()
         keys = tuple(keys)
@@ -205,9 +281,9 @@ class NixlDirectTransport:
             self._check_source(peer, source, keys)
             engine_map = self._endpoint.engine_map
             if (
-                self._placement == PLACEMENT_ENGINE
-                and dst_block_ids is not None
+                dst_block_ids is not None
                 and engine_map is not None
+                and self.places_in_engine(peer.agent_name)
             ):
                 await self._load_into_engine(
                     holder_rank, peer, source, dst_block_ids, engine_map
@@ -218,6 +294,18 @@ class NixlDirectTransport:
         finally:
             if task is not None:
                 self._active.discard(task)
+
+    def places_in_engine(self, peer_agent: str) -> bool:
+        """Whether a load from ``peer_agent`` (met already) with destination blocks
+        READs straight into engine blocks (see the module docstring)."""
+        engine_map = self._endpoint.engine_map
+        if engine_map is None or self._placement == PLACEMENT_SLAB:
+            return False
+        if self._placement == PLACEMENT_ENGINE:
+            return True
+        return engine_map.whole_blocks and self._engine_read_policy(
+            self._endpoint.peer_paths.get(peer_agent)
+        )
 
     async def _load_through_slab(
         self,
@@ -468,18 +556,36 @@ class NixlDirectTransport:
 
 
 async def create(context: TransportContext) -> NixlDirectTransport:
-    """The serving transport: slab placement, the store's rows, no engine blocks.
+    """The serving transport: ``auto`` placement over the store's rows and, where
+    they are laid out for it, the engine's blocks.
 
-    Slab placement in serving: a READ that outlives its deadline (a stalled peer
-    over TCP) then lands in a retired slab, never in engine blocks that vLLM has
-    meanwhile handed to a recomputation. Engine placement (no scatter) stays
-    available to the benchmark and to callers that accept it.
+    A load goes straight into engine blocks only when that is cheap (each block of
+    every layer one contiguous range: vLLM's cross-layer cache) and safe (the READ
+    cannot outlive its deadline: VRAM to VRAM over cuda_ipc,
+    ``engine_reads_are_bounded``); otherwise through the slab, where a READ that
+    outlives its deadline (a stalled peer over TCP) lands in a retired slab, never
+    in engine blocks that vLLM has meanwhile handed to a recomputation.
     """
-    return await NixlDirectTransport.create(
+    transport = await NixlDirectTransport.create(
         context.agent_name,
         context.geometry,
         context.store_rows,
         rpc_timeout_s=context.rpc_timeout_s,
-        placement=PLACEMENT_SLAB,
+        placement=PLACEMENT_AUTO,
+        engine_layers=context.engine_layers,
+        engine_block_axis=context.engine_block_axis,
         locate_rows=context.locate_rows,
     )
+    logger.info(
+        "NIXL transport %s: %s",
+        transport.endpoint.agent_name,
+        (
+            "engine KV blocks are whole ranges; loads from peers whose READs are "
+            "bounded (VRAM to VRAM over cuda_ipc) land in them directly, others "
+            "go through the receive slab"
+            if transport.endpoint.engine_map is not None
+            else "loads go through the receive slab (the engine KV blocks are not "
+            "whole contiguous ranges, or were not registered)"
+        ),
+    )
+    return transport
