@@ -54,6 +54,9 @@ class FakeTransport:
     """Reads leased device-tier rows from the holder's store, ``chunk_rows`` at a
     time, and records the hints it was given."""
 
+    # it makes no promise about the buffers it hands to scatter
+    guards_scatter_source = False
+
     def __init__(self, chunk_rows: int = 2) -> None:
         self.chunk_rows = chunk_rows
         self.hints: list[TransportHint | None] = []

@@ -9,8 +9,13 @@ never by abandoning a write in flight.
 
 Device-tier snapshots move through the device-tier transport, CPU-tier snapshots
 through ``transports.cpu_tier``, both at once; each chunk is scattered into the
-engine blocks as it arrives (``BlockMajorCache.scatter_rows``). ``LoadRunner`` needs
-no xoscar: it reaches a holder through ``HolderLink`` (a transfer actor's ref is one).
+engine blocks as it arrives (``row_scatter``: the destination ids go to the device
+once per load, and a chunk's copies are waited for only where the transport reuses
+the chunk's buffer without waiting for them itself), unless the transport placed
+the rows in the engine blocks itself. The copies a load queued are complete before
+its result is reported: one wait per load (``settle``), since the engine, another
+process, reads the blocks next. ``LoadRunner`` needs no xoscar: it reaches a holder
+through ``HolderLink`` (a transfer actor's ref is one).
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from typing import Any, Protocol
 import torch
 
 from ..aio import finish_even_if_cancelled, with_deadline
-from ..engine.blocks import BlockMajorCache
-from ..engine.device import fence
+from ..engine.blocks import BlockDestinations, BlockMajorCache
+from ..engine.device import DeviceWorkMark, settle
 from ..hashing import BlockHash
 from ..stats import ActorCounters, LatencyRecorder
 from ..transports.base import DeviceTierTransport, RowScatter
@@ -57,11 +62,48 @@ class LoadCancelled(Exception):
     """Raised inside a load when ``cancel`` asked it to stop."""
 
 
+def row_scatter(
+    cache: BlockMajorCache,
+    dst_blocks: Sequence[int],
+    written: DeviceWorkMark,
+    *,
+    complete_each_chunk: bool,
+    check: Callable[[], None] | None = None,
+) -> RowScatter:
+    """Scatter of global rows over ``dst_blocks``' keys into the engine cache.
+
+    The destinations are checked and put on the device once, at the first call
+    (a transport that places the rows itself never calls it). Each call queues
+    the chunk's copies and marks ``written`` after them; with
+    ``complete_each_chunk`` (a source whose transport does not guard the buffer
+    it hands over, ``DeviceTierTransport.guards_scatter_source``) it also waits
+    for them before returning. ``check`` runs first on every chunk and may raise
+    to stop the load.
+    """
+    staged: list[BlockDestinations] = []
+
+    def scatter(first_row: int, rows: torch.Tensor) -> None:
+        if check is not None:
+            check()
+        if not staged:
+            staged.append(cache.destinations(dst_blocks))
+        cache.scatter_rows(first_row, rows, staged[0])
+        written.mark()
+        if complete_each_chunk:
+            # ``rows`` may be a buffer the next chunk overwrites as soon as we
+            # return. A short wait (small copies just queued): it stays on the loop.
+            written.wait()
+
+    return scatter
+
+
 @dataclass(slots=True)
 class _Load:
     """A load in progress (mutable, owned by the runner)."""
 
     request: LoadRequest
+    # the copies its scatters queued on the engine cache's device
+    written: DeviceWorkMark
     task: asyncio.Task[None] | None = None
     cancel_requested: bool = False
     started: float = field(default_factory=time.perf_counter)
@@ -111,7 +153,7 @@ class LoadRunner:
         except BaseException:
             await self._release_on_holder(req)
             raise
-        load = _Load(req)
+        load = _Load(req, DeviceWorkMark(self._cache.device))
         self._loads[req.load_id] = load
         for block_id in req.dst_block_ids:
             self._busy_blocks[block_id] = req.load_id
@@ -192,12 +234,13 @@ class LoadRunner:
         try:
             # The scatters may only have queued device work; the engine (another
             # process) must not read these blocks, nor another load write them,
-            # before it has completed.
-            await finish_even_if_cancelled(asyncio.to_thread(fence, self._cache.device))
+            # before it has completed. (A load the transport placed in the engine
+            # blocks itself queued nothing: its READ's completion was the end.)
+            await finish_even_if_cancelled(settle(load.written))
         except BaseException as exc:  # a sticky device error: the blocks are suspect
             error = error or exc
         # Every write into our memory has finished here: the transports return only
-        # once the holder can no longer write, and the scatters were fenced.
+        # once the holder can no longer write, and the scatters were waited for.
         await self._release_on_holder(req)
         for block_id in req.dst_block_ids:
             if self._busy_blocks.get(block_id) == req.load_id:
@@ -262,7 +305,11 @@ class LoadRunner:
                     grant.holder_rank,
                     grant.lease_id,
                     device_keys,
-                    self._row_scatter(load, device_blocks),
+                    self._row_scatter(
+                        load,
+                        device_blocks,
+                        complete_each_chunk=not self._transport.guards_scatter_source,
+                    ),
                     hint=None if hint is None else hint.narrowed(positions),
                     dst_block_ids=device_blocks,
                 )
@@ -275,7 +322,10 @@ class LoadRunner:
                     grant.lease_id,
                     cpu_keys,
                     self._cache.geometry,
-                    self._row_scatter(load, cpu_blocks),
+                    # each batch arrives in a buffer of its own, never reused
+                    # (and on a GPU, scatter_rows copies it to the device before
+                    # it returns): nothing to wait for per chunk
+                    self._row_scatter(load, cpu_blocks, complete_each_chunk=False),
                     self._rpc_timeout_s,
                 )
             )
@@ -296,21 +346,20 @@ class LoadRunner:
 
         return call
 
-    def _row_scatter(self, load: _Load, dst_blocks: Sequence[int]) -> RowScatter:
-        """Scatter of global rows over ``dst_blocks``' keys into the engine cache."""
-        cache = self._cache
-        destinations = torch.tensor(list(dst_blocks), dtype=torch.long)
-
-        def scatter(first_row: int, rows: torch.Tensor) -> None:
+    def _row_scatter(
+        self, load: _Load, dst_blocks: Sequence[int], *, complete_each_chunk: bool
+    ) -> RowScatter:
+        def check() -> None:
             if load.cancel_requested:
                 raise LoadCancelled(f"load {load.request.load_id!r} was cancelled")
-            cache.scatter_rows(first_row, rows, destinations)
-            # ``rows`` may be a transfer slab that the next chunk overwrites as soon
-            # as we return: on a device, the copies out of it must be complete. A
-            # short wait (small copies just queued), so it stays on the loop.
-            fence(cache.device)
 
-        return scatter
+        return row_scatter(
+            self._cache,
+            dst_blocks,
+            load.written,
+            complete_each_chunk=complete_each_chunk,
+            check=check,
+        )
 
     async def _release_on_holder(self, req: LoadRequest) -> None:
         await release_lease(

@@ -22,8 +22,18 @@ from typing import Any
 import torch
 
 from ..wire import KVGeometry
-from .device import host_to_device
+from .device import PinnedIds, host_to_device
 from .layout import WIDE_DTYPES, KVLayout, dtype_name, wide_view, write_snapshot_rows
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDestinations:
+    """A load's destination blocks, checked once (in range, no repeats) and on the
+    cache's device once (``BlockMajorCache.destinations``): a ``scatter_rows`` of
+    each chunk then neither checks nor copies them again."""
+
+    ids: tuple[int, ...]
+    index: torch.Tensor  # 1-D torch.long on the cache's device
 
 
 class BlockMajorCache:
@@ -64,6 +74,11 @@ class BlockMajorCache:
         # The per-block shape in those elements, for reshaping rows back into blocks.
         self._element_block_shape = tuple(
             s for i, s in enumerate(self._layers[0].shape) if i != layout.block_axis
+        )
+        # Destination block ids reach the device through pinned buffers, without a
+        # blocking copy (``destinations``).
+        self._pinned_ids = (
+            PinnedIds(self.device) if self.device.type == "cuda" else None
         )
         # Every layer as one tensor, when the engine allocated them as equally
         # spaced views of one storage (vLLM on CPU does): then ``scatter_rows``
@@ -178,17 +193,43 @@ class BlockMajorCache:
             blocks = blocks.movedim(0, axis)
         self._layers[layer].index_copy_(axis, index, blocks)
 
+    def destinations(self, block_ids: Sequence[int]) -> BlockDestinations:
+        """``block_ids`` checked (in range, no repeats) and queued for the device
+        once, for every ``scatter_rows`` of a load. On a GPU the ids go through a
+        pinned buffer with a copy that does not block (no stream synchronisation);
+        the scatters queued after it on the same stream see them."""
+        ids = tuple(int(b) for b in block_ids)
+        if ids:
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= self.layout.num_blocks:
+                bad = low if low < 0 else high
+                raise IndexError(
+                    f"block id {bad} is out of range for {self.layout.num_blocks} "
+                    "KV cache blocks"
+                )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate destination blocks in {list(ids)}")
+        if self._pinned_ids is not None:
+            index = self._pinned_ids.to_device(ids)
+        else:
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return BlockDestinations(ids, index)
+
     def scatter_rows(
-        self, first_row: int, rows: torch.Tensor, destinations: torch.Tensor
+        self,
+        first_row: int,
+        rows: torch.Tensor,
+        destinations: torch.Tensor | BlockDestinations,
     ) -> None:
         """Write consecutive global rows into engine blocks.
 
         Global row ``r`` is layer ``r % num_layers`` of the ``r // num_layers``-th
         snapshot, whose engine block is ``destinations[r // num_layers]``; ``rows``
         ``(n, R)`` uint8 holds rows ``first_row .. first_row + n - 1`` (a transfer
-        chunk). The destinations are checked and moved to the device once; a chunk
-        of whole snapshots in stacked layers is one copy, anything else one per
-        layer.
+        chunk). ``BlockDestinations`` were checked and put on the device once per
+        load; a tensor of ids is checked and copied to the device per call (a
+        blocking copy on a GPU). A chunk of whole snapshots in stacked layers is
+        one copy, anything else one per layer.
         """
         num_layers, n = self.num_layers, rows.shape[0]
         if rows.dtype != torch.uint8 or rows.dim() != 2:
@@ -202,14 +243,20 @@ class BlockMajorCache:
             return
         first_key = first_row // num_layers
         last_key = (first_row + n - 1) // num_layers
-        keys = destinations[first_key : last_key + 1]
-        if keys.numel() != last_key - first_key + 1:
+        if isinstance(destinations, BlockDestinations):
+            count = len(destinations.ids)
+            index = destinations.index[first_key : last_key + 1]
+        else:
+            count = destinations.numel()
+            index = destinations[first_key : last_key + 1]
+        if first_row < 0 or last_key >= count:
             raise ValueError(
                 f"rows {first_row}..{first_row + n - 1} need destinations for keys "
-                f"{first_key}..{last_key}, got {destinations.numel()} destinations"
+                f"{first_key}..{last_key}, got {count} destinations"
             )
-        # One host-to-device copy of the ids per chunk.
-        index = self._check_index(keys, unique=True)
+        if not isinstance(destinations, BlockDestinations):
+            # One host-to-device copy of the ids per chunk.
+            index = self._check_index(index, unique=True)
         rows = rows.to(self.device)
         if first_row % num_layers == 0 and n % num_layers == 0:
             self._scatter_snapshots(index, rows)

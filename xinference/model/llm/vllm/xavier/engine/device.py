@@ -25,7 +25,9 @@ importer (one mmap, one IPC open), exactly as in the engine.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +122,63 @@ class DeviceWorkMark:
         if self._pending and self._event.query():
             self._pending = False
         return not self._pending
+
+
+# ``settle`` polls a mark on the event loop for this long before it waits in a
+# thread: the last copies of a load take microseconds, a thread hop about as long.
+SETTLE_POLL_S = 200e-6
+
+
+async def settle(mark: DeviceWorkMark) -> None:
+    """``mark.wait()`` for an event loop: at once when the work has completed (or
+    on CPU), else polled briefly, yielding to the loop, then waited for in a
+    thread."""
+    if mark.done():
+        return
+    until = time.perf_counter() + SETTLE_POLL_S
+    while time.perf_counter() < until:
+        await asyncio.sleep(0)
+        if mark.done():
+            return
+    await asyncio.to_thread(mark.wait)
+
+
+class PinnedIds:
+    """Lists of integers copied to a CUDA device without a blocking copy: written
+    into persistent pinned host buffers, copied with ``non_blocking=True``.
+
+    A buffer is written again only once the copy out of it has run (its own
+    ``DeviceWorkMark``); ``slots`` buffers are used in turn, so that wait is
+    normally over before it starts. A buffer that grows is replaced, and torch's
+    pinned-memory allocator keeps the old one until the copies out of it have run.
+    (``host_to_device`` pins a fresh buffer per call instead; on a load's path the
+    ids are staged here, without that allocation and copy.)
+    """
+
+    def __init__(self, device: torch.device, slots: int = 8) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"pinned staging is for CUDA devices, not {device}")
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._copied = [DeviceWorkMark(device) for _ in range(slots)]
+        self._next = 0
+
+    def to_device(self, values: Sequence[int]) -> torch.Tensor:
+        """``values`` as a 1-D ``torch.long`` tensor on the device; the copy is
+        queued on the current stream."""
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        self._copied[slot].wait()  # the last copy out of this buffer has run
+        n = len(values)
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < n:
+            size = max(n, 64, 0 if buffer is None else 2 * buffer.numel())
+            buffer = torch.empty(size, dtype=torch.long, pin_memory=True)
+            self._buffers[slot] = buffer
+        buffer.numpy()[:n] = values
+        out = buffer[:n].to(self.device, non_blocking=True)
+        self._copied[slot].mark()
+        return out
 
 
 @dataclass(frozen=True, slots=True)

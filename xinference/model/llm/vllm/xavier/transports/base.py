@@ -13,6 +13,10 @@ The actor never names a transport. It builds one from a ``TransportContext``
 Rows follow ``docs/internals.md``: for a list of keys, global row ``r`` is layer
 ``r % L`` of ``keys[r // L]``; ``scatter(first_row, rows)`` receives consecutive
 global rows as a ``(n, R)`` ``uint8`` tensor that is valid only during the call.
+``scatter`` may only queue device work that reads ``rows``: a transport whose
+``guards_scatter_source`` is true waits for that work itself before it writes the
+buffer behind ``rows`` again; with any other, ``scatter`` must complete its device
+work before it returns.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ class TransportContext:
 
 class DeviceTierTransport(Protocol):
     """Moves rows of device-tier snapshots between transfer actors."""
+
+    # True: the buffer handed to ``scatter`` is written again only after the
+    # device work that ``scatter`` queued on the current stream has completed, so
+    # ``scatter`` need not wait for it (see the module docstring).
+    guards_scatter_source: bool
 
     async def load(
         self,

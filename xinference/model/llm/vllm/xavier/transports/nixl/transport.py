@@ -175,6 +175,8 @@ class NixlDirectTransport:
         self._peer_locks: dict[int, asyncio.Lock] = {}
         # One load at a time uses the receive slab, from READ to the end of scatter.
         self._slab_lock = asyncio.Lock()
+        # The device work ``scatter`` queued out of the slab is waited for before
+        # the next READ overwrites it (``guards_scatter_source``).
         self._slab_readers = DeviceWorkMark(endpoint.slab.device)
         self._active: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -228,6 +230,11 @@ class NixlDirectTransport:
             locate_rows=locate_rows,
             engine_read_policy=engine_read_policy,
         )
+
+    # The receive slab that ``scatter`` reads is written again only after the
+    # device work ``scatter`` queued has completed (``_slab_readers``): callers
+    # need not complete that work before ``scatter`` returns.
+    guards_scatter_source = True
 
     @property
     def endpoint(self) -> NixlAgentEndpoint:

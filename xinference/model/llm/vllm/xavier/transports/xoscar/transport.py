@@ -22,6 +22,12 @@ from .gpu_transfer import GPUTransfer, PushRequest, chunk_row_index
 class XoscarSlabTransport:
     """``DeviceTierTransport`` over ``GPUTransfer`` (see the module docstring)."""
 
+    # The next WRITE into the receive slab is ordered after the scatter's device
+    # work only by xoscar's channel synchronising the device when it prepares the
+    # copy (``gpu_transfer``'s docstring): an implementation detail of xoscar, not
+    # a promise, so the caller completes the scatter's work before it returns.
+    guards_scatter_source = False
+
     def __init__(self, context: TransportContext) -> None:
         if context.rpc_timeout_s <= 0:
             raise ValueError(
