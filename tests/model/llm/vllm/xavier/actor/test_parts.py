@@ -24,6 +24,7 @@ from xinference.model.llm.vllm.xavier.actor.staging import (
     copy_blocks_into_store,
     stage_snapshots,
 )
+from xinference.model.llm.vllm.xavier.engine.device import DeviceWorkMark
 from xinference.model.llm.vllm.xavier.engine.layout import PACKED_KV_LAYOUT
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.stats import (
@@ -450,3 +451,123 @@ async def test_a_failed_snapshot_copy_after_its_demotions_keeps_the_demotions():
     assert not any(store.contains(k) or store.is_staging(k) for k in keys(2, 7))
     assert_held(holder, [0, 1], first, CPU_TIER)
     assert store.stats().device_snapshots == 0
+
+
+class BufferReusingTransport(FakeTransport):
+    """Hands every chunk to scatter in one buffer it overwrites for the next chunk,
+    as the real transports do with their receive slabs."""
+
+    def __init__(self, guards: bool) -> None:
+        super().__init__(chunk_rows=2)
+        self.guards_scatter_source = guards  # type: ignore[misc]
+
+    async def load(
+        self,
+        holder: Any,
+        holder_rank: int,
+        lease_id: str,
+        keys: Sequence[bytes],
+        scatter: Any,
+        *,
+        hint: TransportHint | None = None,
+        dst_block_ids: Sequence[int] | None = None,
+    ) -> None:
+        rows = await holder("rows", lease_id, list(keys))
+        buffer = torch.empty_like(rows[: self.chunk_rows])
+        for first in range(0, rows.shape[0], self.chunk_rows):
+            chunk = rows[first : first + self.chunk_rows]
+            buffer[: chunk.shape[0]].copy_(chunk)
+            scatter(first, buffer[: chunk.shape[0]])
+
+
+@pytest.mark.parametrize("guards", [True, False])
+async def test_chunks_are_waited_for_only_where_the_transport_does_not_guard_them(
+    guards: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transport that guards the buffer it hands to scatter (NIXL's slab) gets no
+    wait per chunk; any other one a wait after every chunk. CPU-tier chunks (a
+    fresh reply each) never wait. Either way the bytes land exactly."""
+    waits: list[int] = []
+    real_wait = DeviceWorkMark.wait
+
+    def counting_wait(self: DeviceWorkMark) -> None:
+        waits.append(1)
+        real_wait(self)
+
+    monkeypatch.setattr(DeviceWorkMark, "wait", counting_wait)
+    holder, published = await staged_holder(4, device_slots=2)
+    grant = holder.leases.grant(published, "lease-k", holder.engine.identity())
+    transport = BufferReusingTransport(guards)
+    runner, target, counters = runner_for(holder, transport)
+    dst = [30, 2, 17, 9]
+    await runner.start(request(grant, dst))
+    result = await runner.wait("load-1", 10)
+    assert result.ok, result.error
+    for src_block, dst_block in enumerate(dst):
+        assert torch.equal(
+            target.read_block(dst_block), holder.engine.read_block(src_block)
+        )
+    device_chunks = 2 * SPEC.num_layers // transport.chunk_rows  # 2 device-tier keys
+    assert len(waits) == (0 if guards else device_chunks)
+    assert counters.device_tier_blocks_loaded == counters.cpu_tier_blocks_loaded == 2
+
+
+class EnginePlacingTransport(FakeTransport):
+    """Writes the rows into the destination engine blocks itself, as NIXL engine
+    placement does, and never calls scatter; or fails, as a READ can."""
+
+    guards_scatter_source = True
+
+    def __init__(self, cache: Any, fail: bool) -> None:
+        super().__init__()
+        self.cache = cache
+        self.fail = fail
+
+    async def load(
+        self,
+        holder: Any,
+        holder_rank: int,
+        lease_id: str,
+        keys: Sequence[bytes],
+        scatter: Any,
+        *,
+        hint: TransportHint | None = None,
+        dst_block_ids: Sequence[int] | None = None,
+    ) -> None:
+        assert dst_block_ids is not None
+        if self.fail:
+            raise RuntimeError("NIXL READ ended in state ERR")
+        rows = await holder("rows", lease_id, list(keys))
+        for layer in range(self.cache.num_layers):
+            self.cache.scatter(
+                layer,
+                torch.tensor(list(dst_block_ids), dtype=torch.long),
+                rows[layer :: self.cache.num_layers],
+            )
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_a_load_the_transport_places_itself_needs_no_scatter(
+    fail: bool,
+) -> None:
+    """Device-tier keys placed by the transport: no scatter, the load ends with
+    them; a failing placement fails the load, frees its blocks and its lease."""
+    holder, published = await staged_holder(2, device_slots=2)
+    grant = holder.leases.grant(published, "lease-l", holder.engine.identity())
+    transport = EnginePlacingTransport(None, fail)
+    runner, target, counters = runner_for(holder, transport)
+    transport.cache = target.cache  # the runner's engine cache
+    dst = [11, 4]
+    await runner.start(request(grant, dst))
+    result = await runner.wait("load-1", 10)
+    assert result.ok == (not fail)
+    assert holder.released == ["lease-l"]
+    assert runner.in_flight == 0
+    if fail:
+        assert "ERR" in (result.error or "")
+        assert counters.loads_failed == 1
+        return
+    for src_block, dst_block in enumerate(dst):
+        assert torch.equal(
+            target.read_block(dst_block), holder.engine.read_block(src_block)
+        )

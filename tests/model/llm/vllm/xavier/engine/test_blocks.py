@@ -277,8 +277,14 @@ ALLOCATIONS: dict[str, tuple[str, tuple[float, float] | None]] = {
 @pytest.mark.parametrize("allocation", list(ALLOCATIONS))
 @pytest.mark.parametrize("first_row, num_rows", [(0, 9), (3, 3), (2, 5), (6, 3)])
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staged", [False, True], ids=["ids", "staged"])
 def test_scatter_rows_matches_writing_each_row(
-    layout: str, allocation: str, first_row: int, num_rows: int, device: str
+    layout: str,
+    allocation: str,
+    first_row: int,
+    num_rows: int,
+    device: str,
+    staged: bool,
 ) -> None:
     """Whole-snapshot chunks take one copy (stacked layers, or a span over the
     layers' pieces) where the addresses allow, one per layer otherwise, as do all
@@ -309,7 +315,8 @@ def test_scatter_rows_matches_writing_each_row(
             0, 256, (num_rows, cache.layout.layer_block_nbytes), dtype=torch.uint8
         )
         expected = expected_after_scatter(expected, first_row, rows, dst)
-        cache.scatter_rows(first_row, rows.to(device), long(dst))
+        ids = cache.destinations(dst) if staged else long(dst)
+        cache.scatter_rows(first_row, rows.to(device), ids)
     for layer in range(num_layers):
         got = cache.gather(layer, long(range(NB))).cpu()
         assert torch.equal(got, expected[layer])
@@ -411,3 +418,49 @@ def test_copy_snapshot_rows_moves_whole_snapshots_between_devices(
         assert torch.equal(target.cpu(), expected.cpu())
     with pytest.raises(ValueError, match="2 source snapshots for 1 target"):
         copy_snapshot_rows(source, [0, layers], source, [0], layers)
+
+
+def test_destinations_are_checked_once() -> None:
+    tensors = one_allocation(PACKED_KV_LAYOUT, 2)
+    cache = BlockMajorCache(tensors, detect_layout(tensors, NB, PACKED_KV_LAYOUT))
+    rows = torch.zeros((4, cache.layout.layer_block_nbytes), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="duplicate"):
+        cache.destinations([1, 1])
+    with pytest.raises(IndexError, match="out of range"):
+        cache.destinations([1, NB])
+    with pytest.raises(IndexError, match="out of range"):
+        cache.destinations([-1])
+    staged = cache.destinations([3])
+    assert staged.ids == (3,) and staged.index.tolist() == [3]
+    with pytest.raises(ValueError, match="need destinations"):
+        cache.scatter_rows(0, rows, staged)
+
+
+@pytest.mark.cuda
+@CUDA_SKIP
+def test_staged_destinations_survive_pinned_buffer_reuse() -> None:
+    """More loads than pinned buffers, staged while the stream is still busy: each
+    load's ids reach the device intact (a buffer is rewritten only after the copy
+    out of it ran), so every scatter lands in its own blocks."""
+    num_layers = 2
+    tensors = one_allocation(PACKED_KV_LAYOUT, num_layers, device="cuda")
+    cache = BlockMajorCache(tensors, detect_layout(tensors, NB, PACKED_KV_LAYOUT))
+    row_nbytes = cache.layout.layer_block_nbytes
+    expected = [cache.gather(layer, long(range(NB))).cpu() for layer in range(2)]
+    loads = []
+    for i in range(40):
+        dst = [(i + k) % NB for k in range(3)] if i % 2 else [(5 * i) % NB]
+        rows = torch.randint(
+            0, 256, (len(dst) * num_layers, row_nbytes), dtype=torch.uint8
+        )
+        expected = expected_after_scatter(expected, 0, rows, dst)
+        loads.append((dst, rows.to("cuda")))  # before the stream gets busy
+    busy = torch.randn(2048, 2048, device="cuda")
+    for dst, rows in loads:
+        for _ in range(4):  # keep the stream busy, so the copies queue up
+            busy = busy @ busy
+            busy = busy / busy.norm()
+        cache.scatter_rows(0, rows, cache.destinations(dst))
+    for layer in range(num_layers):
+        got = cache.gather(layer, long(range(NB))).cpu()
+        assert torch.equal(got, expected[layer])

@@ -32,9 +32,11 @@ from typing import Any
 import torch
 import xoscar as xo
 
+import xinference.model.llm.vllm.xavier.transports.nixl.transport as nixl_transport
 from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
 from xinference.model.llm.vllm.xavier.transports.base import TransportContext
+from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import PeerPath
 from xinference.model.llm.vllm.xavier.transports.nixl.transport import (
     PLACEMENT_SLAB,
     NixlDirectTransport,
@@ -66,6 +68,11 @@ TRANSFER_LOADER_UID = "transfer-test-loader"
 HOLDER_RANK = 0
 
 
+def _trusted(path: PeerPath | None) -> bool:
+    """An engine read policy that trusts every peer (``trust_engine_reads``)."""
+    return True
+
+
 def slot_key(slot: int) -> bytes:
     return slot.to_bytes(16, "big")
 
@@ -80,7 +87,15 @@ class PeerSpec:
 
     ``engine_layout``: None for no engine cache, else ``block_first`` (blocks
     contiguous) or ``kv_first`` (allocated ``(2, num_blocks, ...)``, so a block of a
-    layer is two separate pieces, as on GPU attention backends).
+    layer is two separate pieces, as on GPU attention backends), both one layer
+    after the other in one allocation, or ``cross_layer`` (``block_first`` views of
+    one ``(num_blocks, layers, ...)`` allocation, as vLLM's cross-layer cache: a
+    block of every layer is one contiguous range).
+
+    ``trust_engine_reads``: under ``auto`` placement, treat every peer's READs as
+    unable to outlive their deadline (what VRAM over cuda_ipc gives), so that DRAM
+    loads may take the engine path. ``serving``: build the transport as serving
+    does (``transports.nixl.transport.create``), ignoring ``placement``.
     """
 
     transport: str  # "xoscar" or "nixl"
@@ -92,6 +107,8 @@ class PeerSpec:
     engine_blocks: int = 0
     rpc_timeout_s: float = 20.0
     transfer_timeout_s: float | None = None
+    trust_engine_reads: bool = False
+    serving: bool = False
 
 
 def _engine_tensors(spec: PeerSpec) -> list[torch.Tensor]:
@@ -103,6 +120,13 @@ def _engine_tensors(spec: PeerSpec) -> list[torch.Tensor]:
     if head * 2 * 16 * 2 != elements:
         raise ValueError("layer_block_nbytes must be a multiple of 128 bytes")
     nb = spec.engine_blocks
+    if spec.engine_layout == "cross_layer":
+        blocks = torch.zeros(
+            (nb, geometry.num_layers, 2, 16, 2, head),
+            dtype=torch.bfloat16,
+            device=spec.device,
+        )
+        return [blocks[:, layer] for layer in range(geometry.num_layers)]
     per_layer = nb * elements
     flat = torch.zeros(
         geometry.num_layers * per_layer, dtype=torch.bfloat16, device=spec.device
@@ -129,7 +153,12 @@ class TransportPeer(xo.StatelessActor):
         self.engine_tensors: list[torch.Tensor] | None = None
         if spec.engine_layout is not None:
             tensors = _engine_tensors(spec)
-            layout = detect_layout(tensors, spec.engine_blocks, spec.engine_layout)
+            hint = (
+                "block_first"
+                if spec.engine_layout == "cross_layer"
+                else spec.engine_layout
+            )
+            layout = detect_layout(tensors, spec.engine_blocks, hint)
             self.cache = BlockMajorCache(tensors, layout)
             self.engine_tensors = tensors
         self.transport: Any = None
@@ -158,8 +187,26 @@ class TransportPeer(xo.StatelessActor):
                     locate_rows=self._locate,
                 )
             )
+        elif spec.transport == "nixl" and spec.serving:
+            cache = self.cache
+            self.transport = await nixl_transport.create(
+                TransportContext(
+                    address=self.address,
+                    device=torch.device(spec.device),
+                    geometry=spec.geometry,
+                    rpc_timeout_s=spec.rpc_timeout_s,
+                    agent_name=f"test-{os.getpid()}",
+                    store_rows=self.source_rows,
+                    locate_rows=self._locate,
+                    engine_layers=self.engine_tensors,
+                    engine_block_axis=(
+                        cache.layout.block_axis if cache is not None else None
+                    ),
+                )
+            )
         elif spec.transport == "nixl":
             cache = self.cache
+            policy = {"engine_read_policy": _trusted} if spec.trust_engine_reads else {}
             self.transport = await NixlDirectTransport.create(
                 f"test-{os.getpid()}",
                 spec.geometry,
@@ -172,6 +219,7 @@ class TransportPeer(xo.StatelessActor):
                     cache.layout.block_axis if cache is not None else None
                 ),
                 locate_rows=self._locate,
+                **policy,
             )
         else:
             raise ValueError(f"unknown transport {spec.transport!r}")
@@ -293,6 +341,19 @@ class TransportPeer(xo.StatelessActor):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def placement(self) -> dict[str, Any]:
+        """The NIXL transport's placement, whether its endpoint registered the
+        engine cache, and whether it places loads from each met peer there."""
+        transport = self.transport
+        endpoint = transport.endpoint
+        return {
+            "placement": transport.placement,
+            "engine_registered": endpoint.engine_map is not None,
+            "places_in_engine": {
+                peer: transport.places_in_engine(peer) for peer in endpoint.peer_paths
+            },
+        }
 
     def environment(self) -> dict[str, str]:
         """This process's UCX_* environment variables."""

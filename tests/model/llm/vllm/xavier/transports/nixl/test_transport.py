@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import NixlAgentEndpoint
+from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import (
+    NixlAgentEndpoint,
+    PeerPath,
+)
 from xinference.model.llm.vllm.xavier.transports.nixl.plan import (
     EngineBlockMap,
     plan_engine_read,
@@ -28,8 +31,10 @@ from xinference.model.llm.vllm.xavier.transports.nixl.plan import (
     plan_slab_rows,
 )
 from xinference.model.llm.vllm.xavier.transports.nixl.transport import (
+    PLACEMENT_AUTO,
     PLACEMENT_ENGINE,
     PLACEMENT_SLAB,
+    engine_reads_are_bounded,
 )
 from xinference.model.llm.vllm.xavier.transports.nixl.ucx import (
     PROGRESS_THREAD_DELAY_ENV,
@@ -247,6 +252,106 @@ def test_engine_plan_addresses_every_piece_exactly() -> None:
     assert np.all(plan.local[:, 1] == plan.remote[:, 1])
 
 
+def cross_layer_tensors(num_blocks: int = 8, num_layers: int = 2) -> list[torch.Tensor]:
+    """Per-layer ``block_first`` views of one ``(blocks, layers, ...)`` allocation,
+    as vLLM's cross-layer cache: a block of every layer is one contiguous range."""
+    blocks = torch.zeros((num_blocks, num_layers, 2, 16, 2, 32), dtype=torch.bfloat16)
+    return [blocks[:, layer] for layer in range(num_layers)]
+
+
+def test_engine_map_is_whole_blocks_only_for_a_cross_layer_allocation() -> None:
+    """Cross-layer: each block of all layers is one range, layer 0 first. Layers one
+    after the other (per-layer or one flat allocation), K/V apart, or the
+    cross-layer layers in another order than the store's rows: not."""
+    cross = cross_layer_tensors()
+    engine = EngineBlockMap.from_layers(cross, 0, 4096)
+    assert engine.whole_blocks
+    assert engine.block_stride == 2 * 4096
+    assert not EngineBlockMap.from_layers(
+        engine_tensors("block_first"), 0, 4096
+    ).whole_blocks
+    assert not EngineBlockMap.from_layers(
+        engine_tensors("kv_first"), 1, 4096
+    ).whole_blocks
+    assert not EngineBlockMap.from_layers(cross[::-1], 0, 4096).whole_blocks
+    separate = [torch.zeros(8, 2, 16, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+    assert not EngineBlockMap.from_layers(separate, 0, 4096).whole_blocks
+
+
+def piece_by_piece_plan(
+    first_rows: list[int], blocks: list[int], engine: EngineBlockMap, num_layers: int
+) -> list[tuple[int, int, int]]:
+    """(engine address, holder address, length) per piece of each (key, layer),
+    merged where both sides continue: the engine plan's reference."""
+    merged: list[list[int]] = []
+    seg = engine.segment_nbytes
+    for row, block in zip(first_rows, blocks, strict=True):
+        for layer in range(num_layers):
+            for piece, offset in enumerate(engine.segment_offsets):
+                local = engine.layer_bases[layer] + block * engine.block_stride + offset
+                remote = STORE.address + (row + layer) * 4096 + piece * seg
+                last = merged[-1] if merged else None
+                if last and last[0] + last[2] == local and last[1] + last[2] == remote:
+                    last[2] += seg
+                else:
+                    merged.append([local, remote, seg])
+    return [tuple(m) for m in merged]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "first_rows, blocks, runs",
+    [
+        ([0, 2, 4, 6], [3, 4, 5, 6], 1),  # both sides consecutive: one READ range
+        ([0, 2, 4, 10], [3, 4, 5, 7], 2),  # a gap on both sides
+        ([0, 2, 4, 6], [1, 3, 5, 7], 4),  # every other block
+        ([0, 2, 4, 6], [7, 6, 5, 4], 4),  # reversed blocks
+        ([8, 2], [0, 1], 2),  # holder rows out of order
+    ],
+)
+def test_whole_block_plan_is_one_descriptor_per_run_of_keys(
+    first_rows: list[int], blocks: list[int], runs: int
+) -> None:
+    engine = EngineBlockMap.from_layers(cross_layer_tensors(), 0, 4096)
+    plan = plan_engine_read(first_rows, blocks, 2, 4096, STORE, engine)
+    assert plan.descriptors == runs
+    assert plan.nbytes == len(blocks) * 2 * 4096
+    got = [
+        (local[0], remote[0], local[1])
+        for local, remote in zip(plan.local.tolist(), plan.remote.tolist(), strict=True)
+    ]
+    assert got == piece_by_piece_plan(first_rows, blocks, engine, 2)
+
+
+def vram_path(**changes: Any) -> PeerPath:
+    fields = dict(
+        peer="holder",
+        local_mem_type="VRAM",
+        remote_mem_type="VRAM",
+        nbytes=4096,
+        seconds=1e-4,
+        zero_copy_only=True,
+        peer_host="here",
+        same_host=True,
+        transports=("cuda_copy", "cuda_ipc", "tcp"),
+    )
+    fields.update(changes)
+    return PeerPath(**fields)  # type: ignore[arg-type]
+
+
+def test_only_vram_reads_over_cuda_ipc_are_bounded() -> None:
+    """Engine placement needs a READ that cannot land after its deadline: VRAM to
+    VRAM on one host, emulation off, cuda_ipc there. Anything else keeps the slab."""
+    assert engine_reads_are_bounded(vram_path())
+    assert not engine_reads_are_bounded(None)  # the peer was never checked
+    assert not engine_reads_are_bounded(
+        vram_path(local_mem_type="DRAM", remote_mem_type="DRAM")
+    )
+    assert not engine_reads_are_bounded(vram_path(remote_mem_type="DRAM"))
+    assert not engine_reads_are_bounded(vram_path(zero_copy_only=False))
+    assert not engine_reads_are_bounded(vram_path(transports=("cuda_copy", "tcp")))
+    assert not engine_reads_are_bounded(vram_path(same_host=False))
+
+
 # ---- real agents in two processes ---------------------------------------------------
 
 
@@ -427,6 +532,119 @@ async def test_engine_placement_without_destination_blocks_uses_the_slab() -> No
         counters = await loader.counters()
         assert counters["engine_placed_loads"] == 0
         assert counters["received_wire_bytes"] == 2 * GEOMETRY.block_nbytes
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize(
+    "slots, blocks, runs",
+    [
+        ([4, 5, 6, 7], [8, 9, 10, 11], 1),  # consecutive on both sides
+        ([4, 5, 6, 7], [8, 10, 12, 14], 4),  # every other block
+        ([0, 1, 9, 10], [15, 0, 6, 7], 3),  # mixed
+    ],
+)
+async def test_auto_placement_reads_straight_into_cross_layer_blocks(
+    slots: list[int], blocks: list[int], runs: int
+) -> None:
+    """A cross-layer engine cache and a peer whose READs are bounded: the load is
+    one READ into the engine blocks, one descriptor per run of keys that continue
+    each other on both sides, no scatter; every byte lands in its block and no
+    other block changes."""
+    data = random_bytes(16 * GEOMETRY.block_nbytes, seed=23)
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        num_slots=16,
+        placement=PLACEMENT_AUTO,
+        engine_layout="cross_layer",
+        engine_blocks=16,
+        trust_engine_reads=True,
+    )
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [3], dst_blocks=[3])  # meet the holder
+        await loader.clear_dest()
+        placement = await loader.placement()
+        assert placement["engine_registered"]
+        assert list(placement["places_in_engine"].values()) == [True]
+        await loader.take_scatter_calls()
+        before = await loader.counters()
+        await loader.load(holder_address, slots, dst_blocks=blocks)
+        after = await loader.counters()
+        assert await loader.take_scatter_calls() == []
+        assert after["engine_placed_loads"] - before["engine_placed_loads"] == 1
+        assert after["descriptors"] - before["descriptors"] == runs
+        assert after["received_wire_bytes"] - before["received_wire_bytes"] == (
+            len(slots) * GEOMETRY.block_nbytes
+        )
+        for block in range(16):
+            got = await loader.read_engine_block(block)
+            if block in blocks:
+                assert got == rows_of(data, slots[blocks.index(block)]), block
+            else:
+                assert got == bytes(GEOMETRY.block_nbytes), block
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize(
+    "engine_layout, trusted", [("block_first", True), ("cross_layer", False)]
+)
+async def test_auto_placement_keeps_the_slab_unless_cheap_and_safe(
+    engine_layout: str, trusted: bool
+) -> None:
+    """Per-layer blocks (a piece per layer), or DRAM reads (which may outlive their
+    deadline over tcp): the load goes through the slab and the scatter."""
+    data = random_bytes(4 * GEOMETRY.block_nbytes, seed=29)
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        num_slots=4,
+        placement=PLACEMENT_AUTO,
+        engine_layout=engine_layout,
+        engine_blocks=8,
+        trust_engine_reads=trusted,
+    )
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [3, 1], dst_blocks=[5, 2], dst_slots=[0, 1])
+        assert await loader.read_dest(0, 2) == rows_of(data, 3)
+        assert await loader.read_dest(2, 2) == rows_of(data, 1)
+        assert await loader.take_scatter_calls() == [(0, 4)]
+        assert await loader.read_engine_block(5) == bytes(GEOMETRY.block_nbytes)
+        counters = await loader.counters()
+        assert counters["engine_placed_loads"] == 0
+        placement = await loader.placement()
+        # per-layer blocks are not even registered
+        assert placement["engine_registered"] == (engine_layout == "cross_layer")
+        assert list(placement["places_in_engine"].values()) == [False]
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("engine_layout", ["cross_layer", "block_first"])
+async def test_the_serving_transport_registers_only_whole_engine_blocks(
+    engine_layout: str,
+) -> None:
+    """``create`` (what the transfer actor calls) uses auto placement: it registers
+    a cross-layer engine cache and not a per-layer one; on CPU (DRAM) every load
+    still goes through the slab."""
+    data = random_bytes(2 * GEOMETRY.block_nbytes, seed=31)
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        num_slots=2,
+        engine_layout=engine_layout,
+        engine_blocks=4,
+        serving=True,
+    )
+    async with transport_pair(spec) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [0, 1], dst_blocks=[1, 2])
+        assert await loader.read_dest(0, 4) == data
+        placement = await loader.placement()
+        assert placement["placement"] == PLACEMENT_AUTO
+        assert placement["engine_registered"] == (engine_layout == "cross_layer")
+        assert list(placement["places_in_engine"].values()) == [False]
+        assert (await loader.counters())["engine_placed_loads"] == 0
 
 
 @pytest.mark.nixl
@@ -682,6 +900,46 @@ async def test_a_holder_killed_mid_load_fails_the_load_within_the_deadline() -> 
         counters = await loader.counters()
         assert counters["transfer_failures"] == 1
         assert counters["transfer_timeouts"] == 0
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+async def test_a_holder_killed_mid_engine_placed_load_fails_the_load() -> None:
+    """As above, with the READ going straight into cross-layer engine blocks: the
+    load fails with a NixlTransferError (counted), not a hang or a success."""
+    deadline_s = 10.0
+    spec = PeerSpec(
+        "nixl",
+        BIG,
+        num_slots=128,
+        transfer_timeout_s=deadline_s,
+        placement=PLACEMENT_AUTO,
+        engine_layout="cross_layer",
+        engine_blocks=128,
+        trust_engine_reads=True,
+    )
+    async with transport_pair(spec, envs=TCP_ENVS) as (holder, loader, holder_address):
+        await loader.load(holder_address, [0], dst_blocks=[0])
+        slots = list(range(128))
+        source = await loader.fetch_source(holder_address, slots)
+        pid = await holder.pid()
+        load = asyncio.ensure_future(
+            loader.load(holder_address, slots, source=source, dst_blocks=slots)
+        )
+        await asyncio.sleep(0.005)
+        assert not load.done(), "the READ ended before the kill; make it larger"
+        os.kill(pid, signal.SIGKILL)
+        failure = await _error_of(load, deadline_s + 10)
+        placed = 1 if failure is not None else 2
+        if failure is None:  # every byte had left the holder before the kill
+            failure = await _error_of(
+                loader.load(holder_address, slots, source=source, dst_blocks=slots),
+                deadline_s + 10,
+            )
+        assert isinstance(failure, NixlTransferError), repr(failure)
+        counters = await loader.counters()
+        assert counters["transfer_failures"] == 1
+        assert counters["engine_placed_loads"] == placed  # the failed one not
 
 
 async def _error_of(call: Any, timeout_s: float) -> BaseException | None:
