@@ -12,7 +12,12 @@ transport, so one run compares them under the same conditions:
                 rows into the loader's registered receive slab, one descriptor per
                 contiguous run of holder rows; the loader scatters.
   nixl-engine   NixlDirectTransport, engine placement: one NIXL READ straight into
-                the engine blocks, one descriptor per (block, layer) piece.
+                the engine blocks, one descriptor per (block, layer) piece, or,
+                with ``--engine-allocation cross-layer``, one per run of keys whose
+                holder rows and engine blocks both continue each other.
+  nixl-auto     NixlDirectTransport, auto placement (what serving uses): engine
+                placement where the blocks are whole ranges (cross-layer) and the
+                peer's READs are bounded (VRAM to VRAM over cuda_ipc), else slab.
   nixl-slab-rpc nixl-slab plus the holder RPC that locates the leased rows, i.e.
                 without the rows travelling in the lease grant.
   nixl-read     nixl-slab without the scatter: the transport's part alone (the
@@ -25,13 +30,24 @@ transport, so one run compares them under the same conditions:
 ``--engine-allocation one`` lays the engine's layers out as views of one allocation
 (vLLM on CPU does; the scatter then copies a chunk in one kernel through the stacked
 layers), ``per-layer`` gives each layer its own allocation (vLLM on GPU does; one
-copy through the piece span where the addresses allow, else one per layer). The
-header says which scatter path the loader took.
+copy through the piece span where the addresses allow, else one per layer),
+``cross-layer`` one allocation with blocks outermost, then layers (vLLM's
+cross-layer cache: a block of every layer is contiguous). The header says which
+scatter path the loader took.
+
+``--dst-blocks`` picks the destination engine blocks of a load of n snapshots
+(read from n consecutive holder slots): ``reversed`` (n-1 .. 0, nothing lines up),
+``consecutive`` (0 .. n-1, the best case: one run), ``every-other`` (0, 2, 4, ...:
+no two blocks adjacent) or ``shuffled`` (a fixed random set). The "runs" column is
+the number of runs of keys that continue each other in both the holder and the
+engine: what a cross-layer ``nixl-engine`` load needs in descriptors.
 
 Loads carry 1, 16 and 64 snapshots of Qwen2.5-0.5B in BF16 (24 layers x 8 KiB per
 layer-block = 192 KiB per block; 64 blocks = 12 MiB). Each case runs ``--warmup``
 loads, then ``--loads`` measured loads, timed inside the loader process around the
-transport's ``load`` (scatter and device fences included). Contents are checked
+transport's ``load`` and the wait for the copies it queued: the scatter is the load
+runner's own (``actor.loads.row_scatter``, a wait per chunk only where the
+transport does not guard its buffer), and the end is its wait (``settle``). Contents are checked
 after each case. NIXL ``register_memory`` calls are counted in both processes by
 wrapping the method (the real one still runs), so "registrations" covers xoscar's
 channel and our agents alike.
@@ -64,8 +80,13 @@ from tests.model.llm.vllm.xavier.transports.registrations import (  # noqa: E402
     install_registration_counter,
     registration_calls,
 )
+from xinference.model.llm.vllm.xavier.actor.loads import row_scatter  # noqa: E402
 from xinference.model.llm.vllm.xavier.engine.blocks import (  # noqa: E402
     BlockMajorCache,
+)
+from xinference.model.llm.vllm.xavier.engine.device import (  # noqa: E402
+    DeviceWorkMark,
+    settle,
 )
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout  # noqa: E402
 from xinference.model.llm.vllm.xavier.transports.base import (  # noqa: E402
@@ -75,6 +96,7 @@ from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import (  # noqa:
     NixlAgentEndpoint,
 )
 from xinference.model.llm.vllm.xavier.transports.nixl.transport import (  # noqa: E402
+    PLACEMENT_AUTO,
     PLACEMENT_ENGINE,
     PLACEMENT_SLAB,
     NixlDirectTransport,
@@ -99,11 +121,12 @@ GEOMETRY = KVGeometry(
 )
 SIZES = (1, 16, 64)
 HOLDER_SLOTS = 96  # 18 MiB of store rows
-ENGINE_BLOCKS = 96
+ENGINE_BLOCKS = 128  # room for 64 blocks every other one
 CASES = (
     "xoscar",
     "nixl-slab",
     "nixl-engine",
+    "nixl-auto",
     "nixl-slab-rpc",
     "nixl-read",
     "nixl-read-rows",
@@ -114,9 +137,55 @@ LOADER_UID = "transport-bench-loader"
 RPC_TIMEOUT_S = 30.0
 
 
+DST_PATTERNS = ("reversed", "consecutive", "every-other", "shuffled")
+
+
+def destination_blocks(pattern: str, n: int) -> list[int]:
+    """The engine blocks a load of ``n`` snapshots goes to (``--dst-blocks``)."""
+    if pattern == "reversed":
+        return list(range(n - 1, -1, -1))
+    if pattern == "consecutive":
+        return list(range(n))
+    if pattern == "every-other":
+        return list(range(0, 2 * n, 2))
+    if pattern == "shuffled":
+        gen = torch.Generator().manual_seed(n)
+        return torch.randperm(ENGINE_BLOCKS, generator=gen)[:n].tolist()
+    raise ValueError(f"unknown destination pattern {pattern!r}")
+
+
+def runs(slots: list[int], blocks: list[int]) -> int:
+    """Runs of keys that continue each other in the holder and in the engine."""
+    return 1 + sum(
+        not (slots[i] == slots[i - 1] + 1 and blocks[i] == blocks[i - 1] + 1)
+        for i in range(1, len(slots))
+    )
+
+
+def cross_layer_tensors(layout: str, device: str) -> list[torch.Tensor]:
+    """Per-layer views of one ``(blocks, layers, ...)`` allocation, as vLLM's
+    cross-layer cache: in memory a block of every layer is contiguous, each layer
+    keeps the attention backend's logical shape."""
+    nb, h, t, d = ENGINE_BLOCKS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM
+    if layout == "packed_kv":
+        packed = torch.zeros(
+            (nb, LAYERS, h, t, 2 * d), dtype=torch.bfloat16, device=device
+        )
+        return [packed[:, i] for i in range(LAYERS)]
+    blocks = torch.zeros((nb, LAYERS, 2, t, h, d), dtype=torch.bfloat16, device=device)
+    if layout == "block_first":
+        return [blocks[:, i] for i in range(LAYERS)]
+    if layout == "kv_first":  # (2, blocks, ...) logically, block-major in memory
+        return [blocks[:, i].transpose(0, 1) for i in range(LAYERS)]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
 def engine_tensors(layout: str, device: str, allocation: str) -> list[torch.Tensor]:
-    """Per-layer KV tensors of ``ENGINE_BLOCKS`` blocks: views of one allocation,
-    or one allocation per layer."""
+    """Per-layer KV tensors of ``ENGINE_BLOCKS`` blocks: views of one allocation
+    (layer after layer, or ``cross-layer``: block after block), or one allocation
+    per layer."""
+    if allocation == "cross-layer":
+        return cross_layer_tensors(layout, device)
     per_layer = ENGINE_BLOCKS * GEOMETRY.layer_block_nbytes // 2
     if allocation == "one":
         flat = torch.zeros(LAYERS * per_layer, dtype=torch.bfloat16, device=device)
@@ -188,6 +257,7 @@ class BenchPeer(xo.StatelessActor):
         for name, placement in (
             ("nixl-slab", PLACEMENT_SLAB),
             ("nixl-engine", PLACEMENT_ENGINE),
+            ("nixl-auto", PLACEMENT_AUTO),
         ):
             self.transports[name] = NixlDirectTransport(
                 endpoint,
@@ -292,7 +362,6 @@ class BenchPeer(xo.StatelessActor):
             self._holder = await xo.actor_ref(holder_address, HOLDER_UID)
         transport = self.transports[case]
         keys = [s.to_bytes(16, "big") for s in slots]
-        scatter = self._scatter(blocks) if case not in SLAB_ONLY else _no_scatter
         holder = self._holder
 
         async def holder_call(op: str, *args: Any) -> Any:
@@ -303,7 +372,7 @@ class BenchPeer(xo.StatelessActor):
             row_lists = transport.endpoint.row_lists
             if row_lists is not None:
                 row_lists.enabled = case == "nixl-read-rows"
-        if case in ("nixl-slab", "nixl-engine", *SLAB_ONLY):
+        if case in ("nixl-slab", "nixl-engine", "nixl-auto", *SLAB_ONLY):
             # What the lease grant carries: no RPC to locate the rows.
             source = await holder.transport_call("source", "bench", keys)
             hint = TransportHint(source.epoch, tuple(source.first_rows))
@@ -311,21 +380,30 @@ class BenchPeer(xo.StatelessActor):
         times = []
         for _ in range(n):
             start = time.perf_counter()
+            # as the load runner does: its scatter (destinations staged once per
+            # load), and one wait for the copies it queued at the end
+            written = DeviceWorkMark(self._device)
+            scatter = (
+                self._scatter(transport, blocks, written)
+                if case not in SLAB_ONLY
+                else _no_scatter
+            )
             await transport.load(holder_call, 0, "bench", keys, scatter, **extra)
             # the engine may read the blocks only once every write has completed
-            _fence(self._device)
+            await settle(written)
             times.append(time.perf_counter() - start)
         return times
 
-    def _scatter(self, blocks: list[int]):
-        """The transfer actor's scatter: consecutive global rows into engine blocks,
-        one index_copy per layer."""
-        destinations = torch.tensor(blocks, dtype=torch.long)
-        cache = self.cache
-
-        def scatter(first_row: int, rows: torch.Tensor) -> None:
-            cache.scatter_rows(first_row, rows, destinations)
-
+    def _scatter(
+        self, transport: Any, blocks: list[int], written: DeviceWorkMark
+    ) -> Any:
+        """The load runner's scatter (``actor.loads.row_scatter``)."""
+        scatter = row_scatter(
+            self.cache,
+            blocks,
+            written,
+            complete_each_chunk=not transport.guards_scatter_source,
+        )
         timed = getattr(self, "_timed", None)
         return timed("scatter", scatter) if timed is not None else scatter
 
@@ -381,9 +459,9 @@ async def run_case(
     holder_rows: bytes,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    # holder slots from the back, destination blocks reversed: nothing lines up
+    # holder slots from the back, destination blocks as --dst-blocks says
     slots = list(range(HOLDER_SLOTS - blocks, HOLDER_SLOTS))
-    dst = list(range(blocks - 1, -1, -1))
+    dst = destination_blocks(args.dst_blocks, blocks)
     await loader.clear()
     await loader.load(case, holder_address, slots, dst, args.warmup)
     before = (await holder.snapshot(case), await loader.snapshot(case))
@@ -399,6 +477,15 @@ async def run_case(
     if not verified:
         raise RuntimeError(f"{case}, {blocks} blocks: engine blocks differ from source")
     delta = {k: after[1][k] - before[1][k] for k in after[1]}
+    if (
+        args.engine_allocation == "cross-layer"
+        and delta["engine_placed_loads"] == len(times)
+        and delta["descriptors"] != runs(slots, dst) * len(times)
+    ):
+        raise RuntimeError(
+            f"{case}, {blocks} blocks: {delta['descriptors'] / len(times)} "
+            f"descriptors per load into cross-layer blocks, {runs(slots, dst)} runs"
+        )
     registrations = (
         after[0]["registration_calls"]
         - before[0]["registration_calls"]
@@ -420,6 +507,8 @@ async def run_case(
         "descriptors_per_load": (
             delta["descriptors"] / len(times) if "descriptors" in delta else None
         ),
+        "runs": runs(slots, dst),
+        "engine_placed_loads": delta.get("engine_placed_loads", 0),
         "registrations_after_warmup": registrations,
         "verified": True,
         "steps_p50_us": steps,
@@ -433,9 +522,9 @@ def _size(nbytes: int) -> str:
 def print_table_head() -> None:
     print(
         "| transport | blocks | payload | p50 us | p95 us | wire/useful | "
-        "copies/load | descriptors/load | registrations after warm-up |"
+        "copies/load | descriptors/load | runs | registrations after warm-up |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
 def print_row(r: dict[str, Any]) -> None:
@@ -444,16 +533,20 @@ def print_row(r: dict[str, Any]) -> None:
     descriptors = (
         "-" if r["descriptors_per_load"] is None else f"{r['descriptors_per_load']:.0f}"
     )
+    case = r["case"]
+    if case == "nixl-auto":
+        # which placement auto chose for these loads
+        case += " (engine)" if r["engine_placed_loads"] else " (slab)"
     print(
-        f"| {r['case']} | {r['blocks']} | {_size(r['payload_bytes'])} | "
+        f"| {case} | {r['blocks']} | {_size(r['payload_bytes'])} | "
         f"{r['p50_us']:.0f} | {r['p95_us']:.0f} | {r['wire_over_useful']:.2f} | "
-        f"{r['copies_per_load']:.0f} | {descriptors} | "
+        f"{r['copies_per_load']:.0f} | {descriptors} | {r['runs']} | "
         f"{r['registrations_after_warmup']} |",
         flush=True,
     )
     if r["steps_p50_us"]:
         steps = ", ".join(f"{k} {v:.0f}" for k, v in r["steps_p50_us"].items())
-        print(f"|  | steps, p50 us: {steps} | | | | | | | |", flush=True)
+        print(f"|  | steps, p50 us: {steps} | | | | | | | | |", flush=True)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -498,7 +591,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 else ""
             )
             + f", engine layout {layout} ({args.engine_allocation} allocation, "
-            f"scatter {scatter_path}), "
+            f"scatter {scatter_path}; destination blocks {args.dst_blocks}), "
             f"torch {torch.__version__}, xoscar "
             f"{importlib.metadata.version('xoscar')}, nixl "
             f"{importlib.metadata.version('nixl')}, UCX_TLS "
@@ -521,6 +614,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "engine_layout": layout,
         "engine_allocation": args.engine_allocation,
+        "dst_blocks": args.dst_blocks,
         "torch": torch.__version__,
         "xoscar": importlib.metadata.version("xoscar"),
         "nixl": importlib.metadata.version("nixl"),
@@ -548,9 +642,18 @@ def main() -> None:
     )
     parser.add_argument(
         "--engine-allocation",
-        choices=("one", "per-layer"),
+        choices=("one", "per-layer", "cross-layer"),
         default="one",
-        help="engine KV layers as views of one allocation, or one each",
+        help="engine KV layers as views of one allocation (layer after layer), "
+        "one allocation each, or one allocation block after block (vLLM's "
+        "cross-layer cache)",
+    )
+    parser.add_argument(
+        "--dst-blocks",
+        choices=DST_PATTERNS,
+        default="reversed",
+        help="the destination engine blocks of each load: reversed (nothing lines "
+        "up), consecutive (the best case), every-other or shuffled (fragmented)",
     )
     parser.add_argument(
         "--torch-threads",
