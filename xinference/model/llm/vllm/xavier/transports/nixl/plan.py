@@ -36,6 +36,13 @@ class EngineBlockMap:
     segment_offsets: tuple[int, ...]
     segment_nbytes: int
     num_blocks: int
+    # Every block's bytes for all layers form one contiguous range in the store's
+    # row order: each block of a layer one piece, layer ``l`` of a block ``l`` rows
+    # after its layer 0, blocks not overlapping. vLLM's cross-layer allocation is
+    # laid out so; per-layer allocations are not (unless the model has one layer).
+    # A snapshot then lands with one descriptor, and keys whose holder rows and
+    # engine blocks both continue each other with one descriptor per run.
+    whole_blocks: bool = False
 
     @classmethod
     def from_layers(
@@ -71,30 +78,21 @@ class EngineBlockMap:
             segment_offsets=pieces.segment_offsets,
             segment_nbytes=pieces.segment_nbytes,
             num_blocks=pieces.num_blocks,
+            whole_blocks=_whole_blocks(pieces),
         )
 
-    @property
-    def row_nbytes(self) -> int:
-        """The bytes of one block of one layer (a store row)."""
-        return self.segment_nbytes * len(self.segment_offsets)
 
-    @property
-    def whole_blocks(self) -> bool:
-        """Whether every block's bytes for all layers form one contiguous range in
-        the store's row order: each block of a layer one piece, layer ``l`` of a
-        block ``l`` rows after its layer 0, blocks not overlapping. vLLM's
-        cross-layer allocation is laid out so; per-layer allocations are not
-        (unless the model has one layer). A snapshot then lands with one
-        descriptor, and keys whose holder rows and engine blocks both continue
-        each other with one descriptor per run."""
-        row = self.row_nbytes
-        offsets = self.segment_offsets
-        if offsets != tuple(i * self.segment_nbytes for i in range(len(offsets))):
-            return False
-        first = self.layer_bases[0]
-        if any(b != first + i * row for i, b in enumerate(self.layer_bases)):
-            return False
-        return self.block_stride >= row * len(self.layer_bases)
+def _whole_blocks(pieces: BlockPieces) -> bool:
+    """Whether every block's bytes for all layers form one contiguous range in
+    the store's row order (``EngineBlockMap.whole_blocks``)."""
+    seg, offsets = pieces.segment_nbytes, pieces.segment_offsets
+    row = seg * len(offsets)
+    if offsets != tuple(i * seg for i in range(len(offsets))):
+        return False
+    first = pieces.layer_bases[0]
+    if any(b != first + i * row for i, b in enumerate(pieces.layer_bases)):
+        return False
+    return pieces.block_stride >= row * len(pieces.layer_bases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,12 +294,9 @@ def plan_engine_read(
     rather than per piece: a load's time is counted in microseconds, and a 64-key
     load of a 48-layer model would otherwise be 3,072 pieces to merge."""
     if engine.whole_blocks and len(engine.layer_bases) == num_layers:
-        local = np.uint64(engine.layer_bases[0]) + _u64(dst_blocks) * np.uint64(
-            engine.block_stride
+        return _whole_block_plan(
+            first_rows, dst_blocks, num_layers, row_bytes, store, engine
         )
-        remote = np.uint64(store.address) + _u64(first_rows) * np.uint64(row_bytes)
-        length = np.full(local.shape, num_layers * row_bytes, dtype=np.uint64)
-        return _merged_plan(local, remote, length, engine.device_id, store.device_id)
     first = _u64(first_rows)[:, None, None]
     blocks = _u64(dst_blocks)[:, None, None]
     layers = np.arange(num_layers, dtype=np.uint64)[None, :, None]
@@ -320,3 +315,39 @@ def plan_engine_read(
     remote, local = np.broadcast_arrays(remote, local)
     length = np.full(local.shape, seg, dtype=np.uint64)
     return _merged_plan(local, remote, length, engine.device_id, store.device_id)
+
+
+def _whole_block_plan(
+    first_rows: Sequence[int],
+    dst_blocks: Sequence[int],
+    num_layers: int,
+    row_bytes: int,
+    store: NixlRegion,
+    engine: EngineBlockMap,
+) -> ReadPlan:
+    """``plan_engine_read`` where a snapshot is one engine range: one descriptor
+    per run of keys whose holder rows and engine blocks both continue each other.
+    A loop over keys, not arrays of pieces: a handful of keys costs less this way
+    than numpy's per-call overhead."""
+    snapshot = num_layers * row_bytes
+    base, stride = engine.layer_bases[0], engine.block_stride
+    # consecutive blocks continue each other only when nothing lies between them
+    blocks_continue = stride == snapshot
+    local: list[int] = []
+    remote: list[int] = []
+    length: list[int] = []
+    last_row = last_block = -2
+    for row, block in zip(first_rows, dst_blocks, strict=True):
+        if blocks_continue and row == last_row + num_layers and block == last_block + 1:
+            length[-1] += snapshot
+        else:
+            local.append(base + block * stride)
+            remote.append(store.address + row * row_bytes)
+            length.append(snapshot)
+        last_row, last_block = row, block
+    n = len(length)
+    return ReadPlan(
+        local=_u64([local, length, [engine.device_id] * n]).T.copy(),
+        remote=_u64([remote, length, [store.device_id] * n]).T.copy(),
+        nbytes=len(dst_blocks) * snapshot,
+    )
