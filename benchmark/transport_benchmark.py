@@ -307,6 +307,7 @@ class BenchPeer(xo.StatelessActor):
         module = nixl_transport
         module.plan_slab_read = timed("plan", module.plan_slab_read)  # type: ignore
         module.plan_slab_rows = timed("plan", module.plan_slab_rows)  # type: ignore
+        module.plan_engine_read = timed("plan", module.plan_engine_read)  # type: ignore
         mark = module.DeviceWorkMark
         mark.wait = timed("slab wait", mark.wait)  # type: ignore
         endpoint = module.NixlAgentEndpoint
