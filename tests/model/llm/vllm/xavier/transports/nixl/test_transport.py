@@ -621,12 +621,14 @@ async def test_auto_placement_keeps_the_slab_unless_cheap_and_safe(
 
 @pytest.mark.nixl
 @pytest.mark.parametrize("engine_layout", ["cross_layer", "block_first"])
+@pytest.mark.parametrize("device", DEVICES)
 async def test_the_serving_transport_registers_only_whole_engine_blocks(
-    engine_layout: str,
+    engine_layout: str, device: str
 ) -> None:
-    """``create`` (what the transfer actor calls) uses auto placement: it registers
-    a cross-layer engine cache and not a per-layer one; on CPU (DRAM) every load
-    still goes through the slab."""
+    """``create`` (what the transfer actor calls) uses auto placement: on a GPU it
+    registers a cross-layer engine cache and not a per-layer one, and a load into
+    cross-layer blocks from a peer on this GPU (cuda_ipc) is one READ into them;
+    on CPU (DRAM) nothing is registered and every load goes through the slab."""
     data = random_bytes(2 * GEOMETRY.block_nbytes, seed=31)
     spec = PeerSpec(
         "nixl",
@@ -635,16 +637,23 @@ async def test_the_serving_transport_registers_only_whole_engine_blocks(
         engine_layout=engine_layout,
         engine_blocks=4,
         serving=True,
+        device=device,
     )
+    in_engine = device == "cuda" and engine_layout == "cross_layer"
     async with transport_pair(spec) as (holder, loader, holder_address):
         await holder.write_source(0, data)
         await loader.load(holder_address, [0, 1], dst_blocks=[1, 2])
-        assert await loader.read_dest(0, 4) == data
+        if in_engine:
+            assert await loader.read_engine_block(1) == rows_of(data, 0)
+            assert await loader.read_engine_block(2) == rows_of(data, 1)
+            assert await loader.take_scatter_calls() == []
+        else:
+            assert await loader.read_dest(0, 4) == data
         placement = await loader.placement()
         assert placement["placement"] == PLACEMENT_AUTO
-        assert placement["engine_registered"] == (engine_layout == "cross_layer")
-        assert list(placement["places_in_engine"].values()) == [False]
-        assert (await loader.counters())["engine_placed_loads"] == 0
+        assert placement["engine_registered"] == in_engine
+        assert list(placement["places_in_engine"].values()) == [in_engine]
+        assert (await loader.counters())["engine_placed_loads"] == in_engine
 
 
 @pytest.mark.nixl

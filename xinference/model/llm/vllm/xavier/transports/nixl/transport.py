@@ -572,14 +572,18 @@ async def create(context: TransportContext) -> NixlDirectTransport:
     ``engine_reads_are_bounded``); otherwise through the slab, where a READ that
     outlives its deadline (a stalled peer over TCP) lands in a retired slab, never
     in engine blocks that vLLM has meanwhile handed to a recomputation.
+
+    Only VRAM READs are ever bounded, so an engine cache in host memory (vLLM on
+    CPU) is not registered at all: it would only cost a registration.
     """
+    on_device = context.device.type == "cuda"
     transport = await NixlDirectTransport.create(
         context.agent_name,
         context.geometry,
         context.store_rows,
         rpc_timeout_s=context.rpc_timeout_s,
         placement=PLACEMENT_AUTO,
-        engine_layers=context.engine_layers,
+        engine_layers=context.engine_layers if on_device else None,
         engine_block_axis=context.engine_block_axis,
         locate_rows=context.locate_rows,
     )
@@ -591,8 +595,9 @@ async def create(context: TransportContext) -> NixlDirectTransport:
             "bounded (VRAM to VRAM over cuda_ipc) land in them directly, others "
             "go through the receive slab"
             if transport.endpoint.engine_map is not None
-            else "loads go through the receive slab (the engine KV blocks are not "
-            "whole contiguous ranges, or were not registered)"
+            else "loads go through the receive slab (the engine KV cache is in "
+            "host memory, its blocks are not whole contiguous ranges, or it could "
+            "not be registered)"
         ),
     )
     return transport
