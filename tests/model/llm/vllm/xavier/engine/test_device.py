@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from xinference.model.llm.vllm.xavier.engine.device import (
     export_tensors,
     fence,
     import_tensors,
+    settle,
 )
 
 from .._support import exchange_with_child
@@ -169,3 +171,35 @@ def test_a_work_mark_says_when_the_work_before_it_is_done(device):
         pass
     mark.wait()  # and waiting after it is done returns at once
     assert mark.done() and float(big[0, 0]) == 1.0
+
+
+class ScriptedMark:
+    """A mark whose work completes after ``polls`` queries, or only when waited
+    for (``polls`` None); records where each wait ran."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls = polls
+        self.queries = 0
+        self.waited_in: list[str] = []
+
+    def done(self) -> bool:
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+    def wait(self) -> None:
+        self.waited_in.append(threading.current_thread().name)
+
+
+@pytest.mark.parametrize("polls", [0, 3])
+async def test_settle_returns_on_the_loop_once_the_work_has_completed(polls: int):
+    mark = ScriptedMark(polls)
+    await settle(mark)  # type: ignore[arg-type]
+    assert mark.queries == polls + 1
+    assert mark.waited_in == []
+
+
+async def test_settle_waits_in_a_thread_for_work_that_takes_longer():
+    mark = ScriptedMark(None)
+    await settle(mark)  # type: ignore[arg-type]
+    assert len(mark.waited_in) == 1
+    assert mark.waited_in[0] != threading.main_thread().name
