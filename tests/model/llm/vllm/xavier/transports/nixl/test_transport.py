@@ -1007,3 +1007,50 @@ async def test_a_stalled_holder_times_out_and_retires_the_slab() -> None:
         counters = await loader.counters()
         assert counters["transfer_timeouts"] == 1
         assert counters["registration_changes"] == 1  # the fresh slab
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+async def test_an_engine_read_past_its_deadline_sends_that_peer_to_the_slab() -> None:
+    """Auto placement trusted a peer's READs to end within their deadline and one
+    did not (a stopped holder over tcp): the load fails with the engine blocks at
+    risk, and once the holder runs again its loads go through the slab."""
+    deadline_s = 1.5
+    data = random_bytes(4 * GEOMETRY.block_nbytes, seed=37)
+    spec = PeerSpec(
+        "nixl",
+        GEOMETRY,
+        num_slots=4,
+        transfer_timeout_s=deadline_s,
+        placement=PLACEMENT_AUTO,
+        engine_layout="cross_layer",
+        engine_blocks=8,
+        trust_engine_reads=True,
+    )
+    async with transport_pair(spec, envs=TCP_ENVS) as (holder, loader, holder_address):
+        await holder.write_source(0, data)
+        await loader.load(holder_address, [0], dst_blocks=[0])
+        assert (await loader.counters())["engine_placed_loads"] == 1
+        source = await loader.fetch_source(holder_address, [1, 2])
+        pid = await holder.pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until_stopped(pid)
+            failure = await _error_of(
+                loader.load(holder_address, [1, 2], source=source, dst_blocks=[1, 2]),
+                deadline_s + 10,
+            )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert isinstance(failure, NixlTransferTimeout), repr(failure)
+        assert failure.destination_at_risk
+        for _ in range(200):
+            if await loader.pending_orphans() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert list((await loader.placement())["places_in_engine"].values()) == [False]
+        await loader.take_scatter_calls()
+        await loader.load(holder_address, [1, 2], dst_blocks=[3, 4], dst_slots=[1, 2])
+        assert await loader.take_scatter_calls() == [(0, 4)]
+        assert await loader.read_dest(2, 4) == data[8192 : 3 * 8192]
+        assert (await loader.counters())["engine_placed_loads"] == 1

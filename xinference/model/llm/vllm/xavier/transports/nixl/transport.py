@@ -166,6 +166,8 @@ class NixlDirectTransport:
         self._transfer_timeout_s = transfer_timeout_s or rpc_timeout_s
         self._placement = placement
         self._engine_read_policy = engine_read_policy
+        # peers (agent names) whose READ into engine blocks missed its deadline
+        self._engine_refused: set[str] = set()
         self._locate_rows = locate_rows  # holder side: where leased keys sit
         self.rows_per_read = endpoint.slab.numel() // geometry.layer_block_nbytes
         self._counters = TransportStats()
@@ -310,8 +312,10 @@ class NixlDirectTransport:
             return False
         if self._placement == PLACEMENT_ENGINE:
             return True
-        return engine_map.whole_blocks and self._engine_read_policy(
-            self._endpoint.peer_paths.get(peer_agent)
+        return (
+            engine_map.whole_blocks
+            and peer_agent not in self._engine_refused
+            and self._engine_read_policy(self._endpoint.peer_paths.get(peer_agent))
         )
 
     async def _load_through_slab(
@@ -405,7 +409,22 @@ class NixlDirectTransport:
             peer.store,
             engine_map,
         )
-        await self._read(holder_rank, peer, plan, engine_map.mem_type, DEST_ENGINE)
+        try:
+            await self._read(holder_rank, peer, plan, engine_map.mem_type, DEST_ENGINE)
+        except NixlTransferTimeout:
+            if self._placement == PLACEMENT_AUTO:
+                # The policy said this peer's READs could not outlive their
+                # deadline, and one did: it may still write those blocks. Never
+                # again for this peer (agent); its loads take the slab from now on.
+                self._engine_refused.add(peer.agent_name)
+                logger.error(
+                    "a NIXL READ from rank %d into engine blocks missed its deadline "
+                    "although its path was deemed bounded; loads from %s go through "
+                    "the receive slab from now on",
+                    holder_rank,
+                    peer.agent_name,
+                )
+            raise
         self._count(plan, len(blocks) * self._geometry.block_nbytes)
         self._counters.engine_placed_loads += 1
 
