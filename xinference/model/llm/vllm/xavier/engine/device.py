@@ -153,6 +153,7 @@ class PinnedIds:
     pinned-memory allocator keeps the old one until the copies out of it have run.
     (``host_to_device`` pins a fresh buffer per call instead; on a load's path the
     ids are staged here, without that allocation and copy.)
+    Not thread-safe: one thread (the transfer actor's event loop) stages.
     """
 
     def __init__(self, device: torch.device, slots: int = 8) -> None:
