@@ -279,9 +279,10 @@ class BenchPeer(xo.StatelessActor):
 
     def instrument_breakdown(self) -> None:
         """Time the steps of a direct NIXL load (``--breakdown``): wraps the read
-        plan, the wait for the last scatter out of the slab, the READ (post to
-        completion) and the scatter (which also stands for the index staging's
-        wait: it is the same DeviceWorkMark.wait, timed as "slab wait")."""
+        plan, every DeviceWorkMark.wait (timed as "slab wait": the wait for the
+        last scatter out of the slab before a READ, and also the pinned id
+        buffer's wait inside the scatter and the end-of-load wait when the copies
+        outlast its poll), the READ (post to completion) and the scatter."""
         self._steps: dict[str, list[float]] = {}
 
         def timed(name: str, function: Any) -> Any:

@@ -142,7 +142,7 @@ class NixlDirectTransport:
         *,
         rpc_timeout_s: float,
         transfer_timeout_s: float | None = None,
-        placement: str = PLACEMENT_ENGINE,
+        placement: str = PLACEMENT_AUTO,
         locate_rows: LocateRows | None = None,
         engine_read_policy: EngineReadPolicy = engine_reads_are_bounded,
     ) -> None:
@@ -193,7 +193,7 @@ class NixlDirectTransport:
         *,
         rpc_timeout_s: float,
         transfer_timeout_s: float | None = None,
-        placement: str = PLACEMENT_ENGINE,
+        placement: str = PLACEMENT_AUTO,
         engine_layers: Sequence[torch.Tensor] | None = None,
         engine_block_axis: int | None = None,
         slab_bytes: int | None = None,
