@@ -17,7 +17,13 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
 )
 from xinference.model.llm.vllm.xavier.wire import KVGeometry
 
-from .._support import EngineSpec, SyntheticEngine, all_bf16_patterns
+from .._support import (
+    CUDA_SKIP,
+    DEVICES,
+    EngineSpec,
+    SyntheticEngine,
+    all_bf16_patterns,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -225,12 +231,6 @@ def test_cache_with_rows_that_only_fit_two_byte_elements():
     assert torch.equal(engine.cache.gather(0, long([4, 1])), rows)
     block4 = engine.tensors[0][:, 4].contiguous().view(torch.uint8).reshape(-1)
     assert torch.equal(block4, rows[0])
-
-
-CUDA_SKIP = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)"
-)
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_SKIP])]
 
 
 def one_allocation(

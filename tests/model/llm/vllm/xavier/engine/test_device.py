@@ -22,7 +22,7 @@ from xinference.model.llm.vllm.xavier.engine.device import (
     settle,
 )
 
-from .._support import exchange_with_child
+from .._support import DEVICES, exchange_with_child
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,22 +143,7 @@ def test_host_to_device_leaves_host_tensors_on_a_cpu_cache():
     assert device_module.host_to_device(ids, torch.device("cpu")) is ids
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.cuda,
-                pytest.mark.skipif(
-                    not torch.cuda.is_available(),
-                    reason="needs a CUDA device (torch sees none)",
-                ),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_work_mark_says_when_the_work_before_it_is_done(device):
     mark = device_module.DeviceWorkMark(device)
     assert mark.done()  # nothing marked yet

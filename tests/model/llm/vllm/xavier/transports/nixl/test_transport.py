@@ -50,7 +50,7 @@ from xinference.model.llm.vllm.xavier.transports.nixl.wire import (
 )
 from xinference.model.llm.vllm.xavier.wire import KVGeometry
 
-from ..._support import all_bf16_patterns, wait_until_stopped
+from ..._support import CUDA_SKIP, DEVICES, all_bf16_patterns, wait_until_stopped
 from ..peers import PeerSpec, transport_pair
 
 KiB = 1024
@@ -58,10 +58,6 @@ KiB = 1024
 GEOMETRY = KVGeometry(
     num_layers=2, layer_block_nbytes=4 * KiB, logical_dtype="bfloat16"
 )
-CUDA_SKIP = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)"
-)
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_SKIP])]
 
 
 def random_bytes(nbytes: int, seed: int) -> bytes:
