@@ -198,22 +198,13 @@ class BlockMajorCache:
         once, for every ``scatter_rows`` of a load. On a GPU the ids go through a
         pinned buffer with a copy that does not block (no stream synchronisation);
         the scatters queued after it on the same stream see them."""
-        ids = tuple(int(b) for b in block_ids)
-        if ids:
-            low, high = min(ids), max(ids)
-            if low < 0 or high >= self.layout.num_blocks:
-                bad = low if low < 0 else high
-                raise IndexError(
-                    f"block id {bad} is out of range for {self.layout.num_blocks} "
-                    "KV cache blocks"
-                )
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate destination blocks in {list(ids)}")
+        ids = [int(b) for b in block_ids]
+        self._check_ids(ids, unique=True)
         if self._pinned_ids is not None:
             index = self._pinned_ids.to_device(ids)
         else:
             index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return BlockDestinations(ids, index)
+        return BlockDestinations(tuple(ids), index)
 
     def scatter_rows(
         self,
@@ -303,7 +294,12 @@ class BlockMajorCache:
                 f"block ids must be a 1-D torch.long tensor, got {block_ids.dtype} "
                 f"with shape {tuple(block_ids.shape)}"
             )
-        ids = block_ids.tolist()
+        self._check_ids(block_ids.tolist(), unique)
+        return host_to_device(block_ids, self.device)
+
+    def _check_ids(self, ids: list[int], unique: bool) -> None:
+        """Every id in range; with ``unique``, none repeated (index_copy_ with
+        repeated indices keeps an unspecified one of them)."""
         if ids:
             low, high = min(ids), max(ids)
             if low < 0 or high >= self.layout.num_blocks:
@@ -312,10 +308,8 @@ class BlockMajorCache:
                     f"block id {bad} is out of range for {self.layout.num_blocks} "
                     "KV cache blocks"
                 )
-        # index_copy_ with repeated indices keeps an unspecified one of them.
         if unique and len(set(ids)) != len(ids):
             raise ValueError(f"duplicate destination blocks in {ids}")
-        return host_to_device(block_ids, self.device)
 
 
 def _stacked_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
