@@ -13,10 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.actor.transfer_actor import (
-    TransferActorConfig,
-    net_tracker_change,
-)
+from xinference.model.llm.vllm.xavier.actor.tracker_updates import net_tracker_change
+from xinference.model.llm.vllm.xavier.actor.transfer_actor import TransferActorConfig
 from xinference.model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 from xinference.model.llm.vllm.xavier.engine.layout import (
     BLOCK_FIRST_LAYOUT,

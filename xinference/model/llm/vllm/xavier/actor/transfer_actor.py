@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from .staging import (
     copy_ring_into_store,
     stage_snapshots,
 )
+from .tracker_updates import TrackerUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +136,10 @@ class XavierTransferActor(xo.StatelessActor):
         # stage and transport_call calls and tracker updates in progress, drained
         # by close()
         self._operations: set[asyncio.Task[Any]] = set()
-        self._tracker_lock = asyncio.Lock()
-        self._tracker_updates: set[asyncio.Task[None]] = set()
-        # (keys added, keys dropped) not yet sent to the tracker, oldest first
-        self._tracker_queue: list[tuple[list[BlockHash], list[BlockHash]]] = []
         self._counters = ActorCounters()
+        self._tracker_updates = TrackerUpdates(
+            config.rank, self._counters, self._deadline
+        )
         # successful loads, from start_load to their result
         self._load_latency = LatencyRecorder()
         self._closing = False
@@ -158,6 +158,7 @@ class XavierTransferActor(xo.StatelessActor):
             xo.actor_ref(config.tracker_address, config.tracker_uid)
         )
         await self._deadline(self._tracker.register_replica(config.rank, self.address))
+        self._tracker_updates.tracker = self._tracker
         logger.info(
             "Xavier transfer actor rank %d of %s at %s (%d CPU threads for torch)",
             config.rank,
@@ -327,56 +328,15 @@ class XavierTransferActor(xo.StatelessActor):
     def _tell_tracker(
         self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
     ) -> None:
-        """Queue a tracker update; updates reach the tracker in the order queued,
-        so a key dropped and staged again ends up registered."""
-        if not keys_added and not keys_dropped:
-            return
-        self._tracker_queue.append((keys_added, keys_dropped))
-        task = asyncio.create_task(self._send_to_tracker())
-        for tasks in (self._operations, self._tracker_updates):  # close() waits
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        task = self._tracker_updates.tell(keys_added, keys_dropped)
+        if task is not None:  # close() waits for it
+            self._operations.add(task)
+            task.add_done_callback(self._operations.discard)
 
     async def wait_tracker_updates(self) -> None:
         """Return once the tracker has been told (or failed to be told) of every
         snapshot staged or dropped so far: from then on peers can find them."""
-        if self._tracker_updates:
-            await asyncio.wait(list(self._tracker_updates))
-
-    async def _send_to_tracker(self) -> None:
-        rank = self._config.rank
-        # One sender at a time. Whoever holds the lock sends every update queued so
-        # far as one net change (replicas stage every engine step: while one
-        # update travels, the next ones gather); the senders that find the queue
-        # empty have had theirs sent. Each task returns only after the send that
-        # carried its update, so ``wait_tracker_updates`` keeps its meaning.
-        async with self._tracker_lock:
-            if not self._tracker_queue:
-                return
-            keys_added, keys_dropped = net_tracker_change(self._tracker_queue)
-            self._tracker_queue.clear()
-            try:
-                if keys_dropped:
-                    await self._deadline(
-                        self._tracker.unregister_blocks(rank, keys_dropped)
-                    )
-                if keys_added:
-                    await self._deadline(
-                        self._tracker.register_blocks(rank, keys_added)
-                    )
-            except Exception as exc:  # logged and counted; see below
-                # Not fatal: a key the tracker missed is a miss for peers; a stale
-                # entry makes a peer's reservation here come back short, which it
-                # treats as a miss too.
-                self._counters.tracker_failures += 1
-                logger.warning(
-                    "rank %d could not tell the tracker of %d new and %d dropped "
-                    "snapshots: %r",
-                    rank,
-                    len(keys_added),
-                    len(keys_dropped),
-                    exc,
-                )
+        await self._tracker_updates.wait()
 
     # ---- holder side ------------------------------------------------------------
 
@@ -560,26 +520,6 @@ class XavierTransferActor(xo.StatelessActor):
         # xo.wait_for rather than asyncio.wait_for: it times out even when the
         # cancellation of an actor call cannot reach an unresponsive peer.
         return await xo.wait_for(call, self._config.rpc_timeout_s)
-
-
-def net_tracker_change(
-    updates: Sequence[tuple[Sequence[BlockHash], Sequence[BlockHash]]],
-) -> tuple[list[BlockHash], list[BlockHash]]:
-    """Successive (added, dropped) updates as one: (keys whose last update added
-    them, keys whose last update dropped them). Within one update the drops come
-    first (the store dropped them to make room for the additions)."""
-    last: dict[BlockHash, bool] = {}  # key -> added by its last update
-    for added, dropped in updates:
-        for key in dropped:
-            last.pop(key, None)
-            last[key] = False
-        for key in added:
-            last.pop(key, None)
-            last[key] = True
-    return (
-        [key for key, was_added in last.items() if was_added],
-        [key for key, was_added in last.items() if not was_added],
-    )
 
 
 def _import_ring(handles: SharedTensorHandles, cache: BlockMajorCache) -> torch.Tensor:
