@@ -95,10 +95,12 @@ from xinference.model.llm.vllm.xavier.transports.base import (  # noqa: E402
 from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import (  # noqa: E402
     NixlAgentEndpoint,
 )
-from xinference.model.llm.vllm.xavier.transports.nixl.transport import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.transports.nixl.placement import (  # noqa: E402
     PLACEMENT_AUTO,
     PLACEMENT_ENGINE,
     PLACEMENT_SLAB,
+)
+from xinference.model.llm.vllm.xavier.transports.nixl.transport import (  # noqa: E402
     NixlDirectTransport,
 )
 from xinference.model.llm.vllm.xavier.transports.xoscar.transport import (  # noqa: E402

@@ -24,17 +24,17 @@ from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import (
     NixlAgentEndpoint,
     PeerPath,
 )
+from xinference.model.llm.vllm.xavier.transports.nixl.placement import (
+    PLACEMENT_AUTO,
+    PLACEMENT_ENGINE,
+    PLACEMENT_SLAB,
+    engine_reads_are_bounded,
+)
 from xinference.model.llm.vllm.xavier.transports.nixl.plan import (
     EngineBlockMap,
     plan_engine_read,
     plan_slab_read,
     plan_slab_rows,
-)
-from xinference.model.llm.vllm.xavier.transports.nixl.transport import (
-    PLACEMENT_AUTO,
-    PLACEMENT_ENGINE,
-    PLACEMENT_SLAB,
-    engine_reads_are_bounded,
 )
 from xinference.model.llm.vllm.xavier.transports.nixl.ucx import (
     PROGRESS_THREAD_DELAY_ENV,
