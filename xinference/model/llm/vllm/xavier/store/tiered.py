@@ -14,14 +14,13 @@ Life of a snapshot::
 
 Only published snapshots are visible (``contains``, ``lease``); they are immutable
 and may move from the device tier to the CPU tier (demotion) or be dropped, but never
-while leased. Eviction policy (recency, pins) lives in ``eviction.LRUOrder``; this module
-owns slots, bytes and states.
+while leased. Eviction policy (recency, pins) lives in ``eviction.LRUOrder``, a
+tier's rows and free slots in ``tier.Tier``; this module owns placement and states.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from ..engine.layout import copy_snapshot_rows
 from ..hashing import BlockHash
 from ..stats import StoreStats
 from ..wire import CPU_TIER, DEVICE_TIER, KVGeometry
-from .eviction import LRUOrder
+from .tier import Tier
 
 
 class SnapshotState(enum.Enum):
@@ -67,55 +66,6 @@ class _Snapshot:
 class _Lease:
     keys: tuple[BlockHash, ...]  # leased keys in grant order (may be empty)
     key_set: frozenset[BlockHash]
-
-
-class _Tier:
-    """One tier's rows, its free slots and the recency order of its published keys."""
-
-    def __init__(
-        self,
-        name: str,
-        num_slots: int,
-        num_layers: int,
-        row_nbytes: int,
-        device: torch.device | str,
-    ) -> None:
-        self.name = name
-        self.num_slots = num_slots
-        self.num_layers = num_layers
-        # torch.empty: bytes are only ever read from slots whose every layer was
-        # written, so zero-filling would cost time (and, on CPU, touch every page)
-        # for nothing.
-        self.rows = torch.empty(
-            (num_slots * num_layers, row_nbytes), dtype=torch.uint8, device=device
-        )
-        # Min-heap of free slots: the lowest free slot is reused first, which keeps
-        # the occupied rows dense and placement deterministic.
-        self._free: list[int] = list(range(num_slots))
-        # Published snapshots only; staging ones are not eviction candidates.
-        self.order: LRUOrder[BlockHash] = LRUOrder()
-
-    @property
-    def has_free_slot(self) -> bool:
-        return bool(self._free)
-
-    def take_free_slot(self) -> int:
-        return heapq.heappop(self._free)
-
-    def give_back_slot(self, slot: int) -> None:
-        heapq.heappush(self._free, slot)
-
-    def take_slot(self, slot: int) -> None:
-        """Take a given free slot (to undo a move; linear, so never on a fast path)."""
-        self._free.remove(slot)
-        heapq.heapify(self._free)
-
-    def first_row(self, slot: int) -> int:
-        return slot * self.num_layers
-
-    def slot_rows(self, slot: int) -> torch.Tensor:
-        first = self.first_row(slot)
-        return self.rows[first : first + self.num_layers]
 
 
 class TieredKVSnapshotStore:
@@ -170,10 +120,10 @@ class TieredKVSnapshotStore:
         self.geometry = geometry
         self.device = torch.device(device)
         num_layers, row_nbytes = geometry.num_layers, geometry.layer_block_nbytes
-        self._device_tier = _Tier(
+        self._device_tier = Tier(
             DEVICE_TIER, device_slots, num_layers, row_nbytes, self.device
         )
-        self._cpu_tier = _Tier(
+        self._cpu_tier = Tier(
             CPU_TIER, cpu_capacity_blocks, num_layers, row_nbytes, "cpu"
         )
         self._tiers = {DEVICE_TIER: self._device_tier, CPU_TIER: self._cpu_tier}
@@ -498,7 +448,7 @@ class TieredKVSnapshotStore:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _tier(self, name: str) -> _Tier:
+    def _tier(self, name: str) -> Tier:
         try:
             return self._tiers[name]
         except KeyError:
@@ -516,7 +466,7 @@ class TieredKVSnapshotStore:
             )
         return record
 
-    def _make_room(self) -> tuple[_Tier, int] | None:
+    def _make_room(self) -> tuple[Tier, int] | None:
         """Take a slot for a new snapshot, evicting as the policy says; None when no
         slot can be had, in which case nothing has changed.
 
