@@ -24,6 +24,7 @@ from xinference.model.llm.vllm.xavier.connector.scheduler import (
 )
 from xinference.model.llm.vllm.xavier.connector.step import StageAfterLoad
 from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
+from xinference.model.llm.vllm.xavier.engine.device import DeviceWorkMark
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.wire import LoadRequest, StageItem
 
@@ -70,10 +71,15 @@ class CountingActor:
     def __init__(self, ref: Any) -> None:
         self._ref = ref
         self.map_calls = 0
+        self.stage_ring_calls = 0
 
     async def map_engine_caches(self, *args: Any, **kwargs: Any) -> Any:
         self.map_calls += 1
         return await self._ref.map_engine_caches(*args, **kwargs)
+
+    async def stage_ring(self, *args: Any, **kwargs: Any) -> Any:
+        self.stage_ring_calls += 1
+        return await self._ref.stage_ring(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ref, name)
@@ -327,6 +333,49 @@ def test_blocks_reused_right_after_the_step_are_published_as_they_were(
             computed[s], block_bytes(pair.loader_cache, d), strict=True
         ):
             assert torch.equal(want, got)
+
+
+def test_ring_stagings_reach_the_actor_only_once_their_copies_completed(
+    cluster, loop, monkeypatch
+):
+    """On a GPU the copies into the ring are queued on the engine's stream, and the
+    actor reads the ring from another process. The engine's thread hands a staging
+    over once its copies completed, checked at each step without blocking; it
+    blocks for them only when it needs the staging back (``wait_for_stagings``)."""
+    completed = [False]
+    monkeypatch.setattr(DeviceWorkMark, "done", lambda self: completed[0])
+    actors: list[CountingActor] = []
+    worker = make_worker(cluster, loop, next(_ranks), counter=actors)
+    worker.register_kv_caches(engine_cache(13))
+    worker.wait_mapped(60)
+
+    def calls() -> int:
+        return sum(actor.stage_ring_calls for actor in actors)
+
+    def stage(block_ids: list[int], namespace: str) -> None:
+        keys = hash_full_blocks(list(range(BS * len(block_ids))), BS, namespace)
+        items = tuple(StageItem(k, b) for k, b in zip(keys, block_ids, strict=True))
+        worker.wait_for_save(StepMetadata(stage=items))
+
+    try:
+        stage([1, 2], "handover-a")
+        worker.get_finished(set())  # the next step: the copies are still running
+        time.sleep(0.3)
+        assert calls() == 0
+        completed[0] = True
+        worker.get_finished(set())  # a step after they completed
+        deadline = time.monotonic() + 10
+        while calls() < 1:
+            assert time.monotonic() < deadline, "the staging was never handed over"
+            time.sleep(0.01)
+        completed[0] = False
+        stage([3], "handover-b")
+        time.sleep(0.3)
+        assert calls() == 1
+        worker.wait_for_stagings()  # waits for the copies, then for the actor
+        assert calls() == 2
+    finally:
+        worker.close()
 
 
 def test_async_load_is_reported_finished(cluster, loop):
