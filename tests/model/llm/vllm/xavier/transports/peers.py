@@ -175,29 +175,23 @@ class TransportPeer(xo.StatelessActor):
 
     async def __post_create__(self) -> None:
         spec = self._spec
+        # what the transfer actor hands the serving transports
+        context = TransportContext(
+            address=self.address,
+            device=torch.device(spec.device),
+            geometry=spec.geometry,
+            rpc_timeout_s=spec.rpc_timeout_s,
+            agent_name=f"test-{os.getpid()}",
+            store_rows=self.source_rows,
+            locate_rows=self._locate,
+        )
         if spec.transport == "xoscar":
-            self.transport = XoscarSlabTransport(
-                TransportContext(
-                    address=self.address,
-                    device=torch.device(spec.device),
-                    geometry=spec.geometry,
-                    rpc_timeout_s=spec.rpc_timeout_s,
-                    agent_name=f"test-{os.getpid()}",
-                    store_rows=self.source_rows,
-                    locate_rows=self._locate,
-                )
-            )
+            self.transport = XoscarSlabTransport(context)
         elif spec.transport == "nixl" and spec.serving:
             cache = self.cache
             self.transport = await nixl_transport.create(
-                TransportContext(
-                    address=self.address,
-                    device=torch.device(spec.device),
-                    geometry=spec.geometry,
-                    rpc_timeout_s=spec.rpc_timeout_s,
-                    agent_name=f"test-{os.getpid()}",
-                    store_rows=self.source_rows,
-                    locate_rows=self._locate,
+                dataclasses.replace(
+                    context,
                     engine_layers=self.engine_tensors,
                     engine_block_axis=(
                         cache.layout.block_axis if cache is not None else None
