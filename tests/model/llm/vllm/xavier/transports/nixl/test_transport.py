@@ -318,6 +318,53 @@ def test_whole_block_plan_is_one_descriptor_per_run_of_keys(
     assert got == piece_by_piece_plan(first_rows, blocks, engine, 2)
 
 
+@pytest.mark.parametrize("whole_blocks", [True, False])
+@pytest.mark.parametrize(
+    "blocks, error",
+    [
+        ([3, 4, 3], "duplicate destination blocks"),
+        ([5, 3, 5], "duplicate destination blocks"),
+        ([3, 8, 4], r"destination blocks \[8\] are out of range for 8"),
+        ([-1, 3, 4], r"destination blocks \[-1\] are out of range"),
+        ([3, 4], "2 destination blocks for 3 keys"),
+    ],
+)
+def test_engine_plan_refuses_blocks_that_are_not_one_distinct_block_per_key(
+    blocks: list[int], error: str, whole_blocks: bool
+) -> None:
+    layers = cross_layer_tensors() if whole_blocks else engine_tensors("kv_first")
+    engine = EngineBlockMap.from_layers(layers, 0 if whole_blocks else 1, 4096)
+    assert engine.num_blocks == 8
+    with pytest.raises(ValueError, match=error):
+        plan_engine_read([0, 2, 4], blocks, 2, 4096, STORE, engine)
+
+
+def test_a_long_run_of_keys_is_one_descriptor_and_a_broken_one_is_not() -> None:
+    """The common case (both sides consecutive) skips the per-key loop; a run that
+    breaks on one side only, anywhere, must still split."""
+    engine = EngineBlockMap.from_layers(cross_layer_tensors(num_blocks=80), 0, 4096)
+    rows = [2 * i for i in range(64)]
+    blocks = list(range(10, 74))
+    plan = plan_engine_read(rows, blocks, 2, 4096, STORE, engine)
+    assert plan.descriptors == 1
+    assert plan.local.tolist() == [
+        [blocks[0] * 2 * 4096 + engine.layer_bases[0], 64 * 2 * 4096, 0]
+    ]
+    for broken_rows, broken_blocks in (
+        (rows[:40] + [r + 2 for r in rows[40:]], blocks),  # a holder gap at key 40
+        (rows, blocks[:63] + [75]),  # the last block elsewhere
+    ):
+        plan = plan_engine_read(broken_rows, broken_blocks, 2, 4096, STORE, engine)
+        assert plan.descriptors == 2
+        got = [
+            (local[0], remote[0], local[1])
+            for local, remote in zip(
+                plan.local.tolist(), plan.remote.tolist(), strict=True
+            )
+        ]
+        assert got == piece_by_piece_plan(broken_rows, broken_blocks, engine, 2)
+
+
 def vram_path(**changes: Any) -> PeerPath:
     fields = dict(
         peer="holder",
