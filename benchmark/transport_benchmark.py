@@ -174,6 +174,11 @@ def cross_layer_tensors(layout: str, device: str) -> list[torch.Tensor]:
             (nb, LAYERS, h, t, 2 * d), dtype=torch.bfloat16, device=device
         )
         return [packed[:, i] for i in range(LAYERS)]
+    if layout == "packed_kv_nhd":  # vLLM 0.26's FlashAttention: tokens, then heads
+        nhd = torch.zeros(
+            (nb, LAYERS, t, h, 2 * d), dtype=torch.bfloat16, device=device
+        )
+        return [nhd[:, i].transpose(1, 2) for i in range(LAYERS)]
     blocks = torch.zeros((nb, LAYERS, 2, t, h, d), dtype=torch.bfloat16, device=device)
     if layout == "block_first":
         return [blocks[:, i] for i in range(LAYERS)]
@@ -200,6 +205,8 @@ def engine_tensors(layout: str, device: str, allocation: str) -> list[torch.Tens
     nb, h, t, d = ENGINE_BLOCKS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM
     if layout == "packed_kv":
         return [x.view(nb, h, t, 2 * d) for x in layers]
+    if layout == "packed_kv_nhd":
+        return [x.view(nb, t, h, 2 * d).transpose(1, 2) for x in layers]
     if layout == "block_first":
         return [x.view(nb, 2, t, h, d) for x in layers]
     if layout == "kv_first":
@@ -253,7 +260,7 @@ class BenchPeer(xo.StatelessActor):
             row_bytes=GEOMETRY.layer_block_nbytes,
             store_rows=self.rows,
             slab_bytes=12 * MiB,
-            engine_layers=self.engine,
+            engine_layers=self.cache.row_layers,
             engine_block_axis=self.cache.layout.block_axis,
         )
         for name, placement in (
@@ -557,7 +564,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    layout = args.layout or ("kv_first" if device.type == "cuda" else "packed_kv")
+    layout = args.layout or ("packed_kv_nhd" if device.type == "cuda" else "packed_kv")
     pool = await xo.create_actor_pool(
         "127.0.0.1", n_process=2, external_address_schemes=["nixl"] * 3
     )
@@ -640,9 +647,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--layout",
-        choices=("packed_kv", "block_first", "kv_first"),
+        choices=("packed_kv", "packed_kv_nhd", "block_first", "kv_first"),
         default=None,
-        help="engine KV layout (default: packed_kv on CPU, kv_first on CUDA)",
+        help="engine KV layout (default: packed_kv on CPU; on CUDA packed_kv_nhd, "
+        "FlashAttention's in vLLM 0.26: the packed shape stored tokens first)",
     )
     parser.add_argument(
         "--engine-allocation",

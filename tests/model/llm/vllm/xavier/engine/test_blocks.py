@@ -10,6 +10,7 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
     BLOCK_FIRST_LAYOUT,
     KV_FIRST_LAYOUT,
     PACKED_KV_LAYOUT,
+    PACKED_KV_NHD_LAYOUT,
     copy_snapshot_rows,
     detect_layout,
     row_format,
@@ -31,12 +32,21 @@ NB, H, BS, D = 6, 2, 4, 8
 
 
 def layer_tensor(layout: str, num_blocks: int = NB) -> torch.Tensor:
+    memory = torch.zeros(num_blocks * H * BS * 2 * D, dtype=torch.bfloat16)
+    return shaped(memory, layout, num_blocks)
+
+
+def shaped(memory: torch.Tensor, layout: str, num_blocks: int = NB) -> torch.Tensor:
+    """One layer's flat ``memory`` in ``layout``'s logical shape; ``packed_kv_nhd``
+    is the packed shape stored tokens before heads (FlashAttention's NHD)."""
+    if layout == PACKED_KV_NHD_LAYOUT:
+        return memory.view(num_blocks, BS, H, 2 * D).transpose(1, 2)
     shapes = {
         PACKED_KV_LAYOUT: (num_blocks, H, BS, 2 * D),
         KV_FIRST_LAYOUT: (2, num_blocks, BS, H, D),
         BLOCK_FIRST_LAYOUT: (num_blocks, 2, BS, H, D),
     }
-    return torch.zeros(shapes[layout], dtype=torch.bfloat16)
+    return memory.view(shapes[layout])
 
 
 def long(ids: list[int]) -> torch.Tensor:
@@ -47,11 +57,12 @@ def long(ids: list[int]) -> torch.Tensor:
     "layout, axis, block_shape",
     [
         (PACKED_KV_LAYOUT, 0, (H, BS, 2 * D)),
+        (PACKED_KV_NHD_LAYOUT, 0, (BS, H, 2 * D)),
         (KV_FIRST_LAYOUT, 1, (2, BS, H, D)),
         (BLOCK_FIRST_LAYOUT, 0, (2, BS, H, D)),
     ],
 )
-def test_detects_the_three_layouts(layout, axis, block_shape):
+def test_detects_the_layouts(layout, axis, block_shape):
     tensors = [layer_tensor(layout) for _ in range(3)]
     kv = detect_layout(tensors, NB)
     assert kv.name == layout
@@ -63,6 +74,32 @@ def test_detects_the_three_layouts(layout, axis, block_shape):
     assert kv.geometry(3) == KVGeometry(3, kv.layer_block_nbytes, "bfloat16", BS)
     # The hint agrees with what was detected.
     assert detect_layout(tensors, NB, layout) == kv
+
+
+def test_packed_kv_stored_tokens_first_has_rows_in_memory_order():
+    """FlashAttention's NHD packed cache: the packed shape, but a row lists the
+    block's bytes tokens first, as they lie in memory (one contiguous range), and
+    the hint ``packed_kv`` names the same layout. With one head (or one token) both
+    orders are the same bytes: plain ``packed_kv``."""
+    tensor = layer_tensor(PACKED_KV_NHD_LAYOUT)
+    tensor.view(torch.int16).copy_(
+        torch.arange(tensor.numel(), dtype=torch.int16).view(tensor.shape)
+    )
+    kv = detect_layout([tensor], NB, PACKED_KV_LAYOUT)
+    assert kv.name == PACKED_KV_NHD_LAYOUT
+    assert row_format(kv.name) != row_format(PACKED_KV_LAYOUT)
+    cache = BlockMajorCache([tensor], kv)
+    memory = tensor.transpose(1, 2).contiguous().view(torch.uint8).view(NB, -1)
+    assert torch.equal(cache.gather(0, long([3, 0])), memory[[3, 0]])
+    assert not torch.equal(memory[3], tensor[3].contiguous().view(torch.uint8).view(-1))
+    rows = torch.randint(0, 256, (1, kv.layer_block_nbytes), dtype=torch.uint8)
+    cache.scatter(0, long([5]), rows)
+    assert torch.equal(
+        tensor.transpose(1, 2)[5].contiguous().view(torch.uint8),
+        rows[0].view(BS, H, -1),
+    )
+    one_head = torch.zeros(NB, 1, BS, 2 * D, dtype=torch.bfloat16)
+    assert detect_layout([one_head], NB).name == PACKED_KV_LAYOUT
 
 
 def test_two_blocks_with_a_leading_two_is_ambiguous_without_a_hint():
@@ -239,13 +276,12 @@ def one_allocation(
     """Per-layer views of one flat allocation, as vLLM on CPU lays them out; ``gap``
     elements of padding between layers, plus ``uneven`` times the layer's index
     more before each (then the layers are not equally spaced)."""
-    shape = layer_tensor(layout).shape
     per_layer = layer_tensor(layout).numel()
     starts = [
         i * (per_layer + gap) + uneven * i * (i + 1) // 2 for i in range(num_layers)
     ]
     flat = torch.zeros(starts[-1] + per_layer, dtype=torch.bfloat16, device=device)
-    return [flat[start : start + per_layer].view(shape) for start in starts]
+    return [shaped(flat[start : start + per_layer], layout) for start in starts]
 
 
 def expected_after_scatter(
@@ -272,7 +308,8 @@ ALLOCATIONS: dict[str, tuple[str, tuple[float, float] | None]] = {
 
 
 @pytest.mark.parametrize(
-    "layout", [PACKED_KV_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT]
+    "layout",
+    [PACKED_KV_LAYOUT, PACKED_KV_NHD_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT],
 )
 @pytest.mark.parametrize("allocation", list(ALLOCATIONS))
 @pytest.mark.parametrize("first_row, num_rows", [(0, 9), (3, 3), (2, 5), (6, 3)])
@@ -323,7 +360,8 @@ def test_scatter_rows_matches_writing_each_row(
 
 
 @pytest.mark.parametrize(
-    "layout", [PACKED_KV_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT]
+    "layout",
+    [PACKED_KV_LAYOUT, PACKED_KV_NHD_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT],
 )
 @pytest.mark.parametrize("allocation", list(ALLOCATIONS))
 @pytest.mark.parametrize("device", DEVICES)

@@ -227,7 +227,7 @@ class XavierTransferActor(xo.StatelessActor):
                 agent_name=f"{config.model_uid}-{config.rank}",
                 store_rows=store.device_rows,
                 locate_rows=store.locate_device_rows,
-                engine_layers=tensors,
+                engine_layers=cache.row_layers,
                 engine_block_axis=layout.block_axis,
             ),
         )

@@ -49,17 +49,20 @@ class BlockMajorCache:
         if not tensors:
             raise ValueError("no KV cache tensors")
         self.layout = layout
+        # The layers with their per-block axes in row order (``KVLayout.row_view``),
+        # in the engine's dtype: what a transport that places rows itself addresses.
+        self.row_layers = [layout.row_view(t) for t in tensors]
         # Integer views: only the last dimension changes length; the block axis and
         # every other axis keep their meaning. One element type for every layer.
-        widths = [wide_view(t).element_size() for t in tensors]
+        widths = [wide_view(t).element_size() for t in self.row_layers]
         self._element = next(d for d in WIDE_DTYPES if d.itemsize == min(widths))
-        self._layers = [t.view(self._element) for t in tensors]
+        self._layers = [t.view(self._element) for t in self.row_layers]
         expected = (
             layout.block_shape[: layout.block_axis]
             + (layout.num_blocks,)
             + layout.block_shape[layout.block_axis :]
         )
-        for layer, tensor in enumerate(tensors):
+        for layer, tensor in enumerate(self.row_layers):
             if tuple(tensor.shape) != expected:
                 raise ValueError(
                     f"KV cache layer {layer} has shape {tuple(tensor.shape)}, the "

@@ -15,6 +15,14 @@ makes two layouts exchangeable: ``kv_first`` and ``block_first`` both give ``(2,
 block_size, heads, head)`` and identical rows; ``packed_kv`` does not (see
 ``row_format``). Only raw bytes move; the logical dtype travels beside them and is
 checked on arrival, so every BF16 bit pattern survives.
+
+One exception to the per-block shape's order: ``packed_kv`` stored tokens before
+heads (FlashAttention's NHD memory order, vLLM 0.26 on a GPU) is named
+``packed_kv_nhd``, and its rows list a block's bytes in that memory order
+(``KVLayout.row_view``). A block of one layer is then one contiguous range of the
+engine's memory, not 2 x tokens pieces, and in vLLM's cross-layer cache a block of
+every layer is one contiguous snapshot, so a load can READ straight into it. Its
+rows differ from ``packed_kv``'s (another ``row_format``).
 """
 
 from __future__ import annotations
@@ -28,22 +36,30 @@ from ..wire import KVGeometry
 from .device import host_to_device
 
 PACKED_KV_LAYOUT = "packed_kv"
+PACKED_KV_NHD_LAYOUT = "packed_kv_nhd"  # packed_kv, tokens before heads in memory
 KV_FIRST_LAYOUT = "kv_first"
 BLOCK_FIRST_LAYOUT = "block_first"
+# the shapes an engine's tensors are recognised by (``packed_kv_nhd`` is
+# ``packed_kv``'s shape, told apart by its strides)
 LAYOUTS = (PACKED_KV_LAYOUT, KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT)
 
 # layout name -> (number of dimensions, block axis)
 _SHAPES: dict[str, tuple[int, int]] = {
     PACKED_KV_LAYOUT: (4, 0),
+    PACKED_KV_NHD_LAYOUT: (4, 0),
     KV_FIRST_LAYOUT: (5, 1),
     BLOCK_FIRST_LAYOUT: (5, 0),
 }
 # layout name -> the order of a row's bytes (the per-block shape's axes)
 _ROW_FORMATS: dict[str, str] = {
     PACKED_KV_LAYOUT: "heads,tokens,kv*head",
+    PACKED_KV_NHD_LAYOUT: "tokens,heads,kv*head",
     KV_FIRST_LAYOUT: "kv,tokens,heads,head",
     BLOCK_FIRST_LAYOUT: "kv,tokens,heads,head",
 }
+# ``packed_kv_nhd``: the axes that swap between the engine's logical shape
+# (blocks, heads, tokens, kv*head) and the row order (blocks, tokens, heads, ...)
+_NHD_SWAP = (1, 2)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -102,8 +118,17 @@ class KVLayout:
 
     @property
     def block_size(self) -> int:
-        """Tokens per block: the second axis of the per-block shape in every layout."""
-        return self.block_shape[1]
+        """Tokens per block: the first axis of the per-block shape in
+        ``packed_kv_nhd``, the second in every other layout."""
+        return self.block_shape[0 if self.name == PACKED_KV_NHD_LAYOUT else 1]
+
+    def row_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A layer tensor in the engine's logical shape, viewed so that its
+        per-block axes come in row order (no copy; the same tensor except for
+        ``packed_kv_nhd``, whose heads and tokens axes swap)."""
+        if self.name == PACKED_KV_NHD_LAYOUT:
+            return tensor.transpose(*_NHD_SWAP)
+        return tensor
 
     def geometry(self, num_layers: int) -> KVGeometry:
         return KVGeometry(
@@ -173,6 +198,10 @@ def detect_layout(
             f"KV cache tensors must be contiguous in the last dimension, got strides "
             f"{first.stride()}"
         )
+    if name == PACKED_KV_LAYOUT and _tokens_before_heads(first):
+        name = PACKED_KV_NHD_LAYOUT
+    if name == PACKED_KV_NHD_LAYOUT:
+        shape = tuple(first.transpose(*_NHD_SWAP).shape)
     block_axis = _SHAPES[name][1]
     block_shape = shape[:block_axis] + shape[block_axis + 1 :]
     return KVLayout(
@@ -182,6 +211,17 @@ def detect_layout(
         block_shape=block_shape,
         dtype=dtype_name(first.dtype),
         layer_block_nbytes=_numel(block_shape) * first.element_size(),
+    )
+
+
+def _tokens_before_heads(packed: torch.Tensor) -> bool:
+    """Whether a ``packed_kv`` tensor is stored tokens before heads (NHD). With
+    one head or one token either order lists the same bytes: not NHD then."""
+    heads, tokens = _NHD_SWAP
+    return (
+        packed.shape[heads] > 1
+        and packed.shape[tokens] > 1
+        and packed.stride(tokens) > packed.stride(heads)
     )
 
 

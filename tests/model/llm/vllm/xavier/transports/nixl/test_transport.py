@@ -20,6 +20,11 @@ import numpy as np
 import pytest
 import torch
 
+from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
+from xinference.model.llm.vllm.xavier.engine.layout import (
+    PACKED_KV_NHD_LAYOUT,
+    detect_layout,
+)
 from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import (
     NixlAgentEndpoint,
     PeerPath,
@@ -272,6 +277,24 @@ def test_engine_map_is_whole_blocks_only_for_a_cross_layer_allocation() -> None:
     assert not EngineBlockMap.from_layers(cross[::-1], 0, 4096).whole_blocks
     separate = [torch.zeros(8, 2, 16, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
     assert not EngineBlockMap.from_layers(separate, 0, 4096).whole_blocks
+
+
+def test_flash_attention_cross_layer_cache_is_whole_blocks_in_row_order() -> None:
+    """vLLM 0.26's FlashAttention cross-layer cache: memory (blocks, layers, tokens,
+    heads, K|V), each layer viewed in the packed logical shape (blocks, heads,
+    tokens, K|V). Its layout is ``packed_kv_nhd``; through the cache's row-ordered
+    layers a block of every layer is one range (a load READs straight into it),
+    through the logical views it is 2 x tokens pieces per layer (it is not)."""
+    blocks, layers, tokens, heads, packed = 8, 2, 16, 2, 64
+    memory = torch.zeros((blocks, layers, tokens, heads, packed), dtype=torch.bfloat16)
+    logical = [memory[:, layer].transpose(1, 2) for layer in range(layers)]
+    layout = detect_layout(logical, blocks)
+    assert layout.name == PACKED_KV_NHD_LAYOUT
+    cache = BlockMajorCache(logical, layout)
+    row_bytes = layout.layer_block_nbytes
+    engine = EngineBlockMap.from_layers(cache.row_layers, 0, row_bytes)
+    assert engine.whole_blocks and len(engine.segment_offsets) == 1
+    assert not EngineBlockMap.from_layers(logical, 0, row_bytes).whole_blocks
 
 
 def piece_by_piece_plan(
