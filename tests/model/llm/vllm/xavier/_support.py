@@ -45,6 +45,7 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
     BLOCK_FIRST_LAYOUT,
     KV_FIRST_LAYOUT,
     PACKED_KV_LAYOUT,
+    PACKED_KV_NHD_LAYOUT,
     detect_layout,
 )
 from xinference.model.llm.vllm.xavier.tracker import (
@@ -106,6 +107,8 @@ class SyntheticEngine:
         ]
         if spec.layout == PACKED_KV_LAYOUT:
             self.tensors = [t.view(nb, h, bs, 2 * d) for t in layers]
+        elif spec.layout == PACKED_KV_NHD_LAYOUT:  # FlashAttention's, vLLM 0.26
+            self.tensors = [t.view(nb, bs, h, 2 * d).transpose(1, 2) for t in layers]
         elif spec.layout == BLOCK_FIRST_LAYOUT:
             self.tensors = [t.view(nb, 2, bs, h, d) for t in layers]
         elif spec.layout == KV_FIRST_LAYOUT:

@@ -20,6 +20,7 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
     BLOCK_FIRST_LAYOUT,
     KV_FIRST_LAYOUT,
     PACKED_KV_LAYOUT,
+    PACKED_KV_NHD_LAYOUT,
 )
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.wire import (
@@ -149,6 +150,7 @@ async def test_all_bf16_bit_patterns_survive_a_load_from_a_peer_process(
         (KV_FIRST_LAYOUT, KV_FIRST_LAYOUT),
         (BLOCK_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT),
         (KV_FIRST_LAYOUT, BLOCK_FIRST_LAYOUT),
+        (PACKED_KV_NHD_LAYOUT, PACKED_KV_NHD_LAYOUT),
     ],
 )
 async def test_gpu_layouts_load_bit_exact_through_both_tiers(
