@@ -381,38 +381,41 @@ class NixlDirectTransport:
         destination: str,
     ) -> None:
         assert peer.store is not None
-        with self._counted_failures(f"load from rank {holder_rank}"):
-            try:
-                await self._endpoint.read(
-                    peer.agent_name,
-                    plan,
-                    local_mem_type=local_mem_type,
-                    remote_mem_type=peer.store.mem_type,
-                    timeout_s=self._transfer_timeout_s,
-                    destination=destination,
-                )
-            except NixlTransferTimeout:
-                raise
-            except NixlTransferError:
-                # The peer may be gone or have changed: fetch its metadata afresh.
-                if self._peers.get(holder_rank) is peer:
-                    del self._peers[holder_rank]
-                    await self._endpoint.forget_peer(peer.agent_name)
-                raise
+        # try/except, not ``_counted_failures``: a generator context manager costs
+        # microseconds on every load, and this is a load's path.
+        try:
+            await self._endpoint.read(
+                peer.agent_name,
+                plan,
+                local_mem_type=local_mem_type,
+                remote_mem_type=peer.store.mem_type,
+                timeout_s=self._transfer_timeout_s,
+                destination=destination,
+            )
+        except NixlTransferTimeout as exc:
+            raise self._counted(exc, f"load from rank {holder_rank}") from exc
+        except NixlTransferError as exc:
+            # The peer may be gone or have changed: fetch its metadata afresh.
+            if self._peers.get(holder_rank) is peer:
+                del self._peers[holder_rank]
+                await self._endpoint.forget_peer(peer.agent_name)
+            raise self._counted(exc, f"load from rank {holder_rank}") from exc
 
     @contextlib.contextmanager
     def _counted_failures(self, context: str) -> Iterator[None]:
         """Count a failed or timed-out READ and re-raise it with ``context``."""
         try:
             yield
-        except NixlTransferTimeout as exc:
-            self._counters.transfer_timeouts += 1
-            raise NixlTransferTimeout(
-                f"{context}: {exc}", exc.destination_at_risk
-            ) from exc
         except NixlTransferError as exc:
-            self._counters.transfer_failures += 1
-            raise NixlTransferError(f"{context}: {exc}") from exc
+            raise self._counted(exc, context) from exc
+
+    def _counted(self, exc: NixlTransferError, context: str) -> NixlTransferError:
+        """Count a failed or timed-out READ; the same error, with ``context``."""
+        if isinstance(exc, NixlTransferTimeout):
+            self._counters.transfer_timeouts += 1
+            return NixlTransferTimeout(f"{context}: {exc}", exc.destination_at_risk)
+        self._counters.transfer_failures += 1
+        return NixlTransferError(f"{context}: {exc}")
 
     def _count(self, plan: ReadPlan, useful_bytes: int) -> None:
         counters = self._counters
@@ -425,6 +428,9 @@ class NixlDirectTransport:
         self, holder: HolderCall, holder_rank: int, source: NixlSource
     ) -> NixlEndpointInfo:
         """The holder's endpoint info for ``source``'s epoch, loaded into our agent."""
+        known = self._peers.get(holder_rank)
+        if known is not None and known.epoch == source.epoch:
+            return known  # the common case, without the lock (no await before it)
         lock = self._peer_locks.setdefault(holder_rank, asyncio.Lock())
         async with lock:
             known = self._peers.get(holder_rank)
