@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import logging
@@ -57,6 +58,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -89,6 +91,10 @@ class Config:
     copies: int
     timeout_s: float
     stall_s: float
+    # fresh READs/WRITEs are also timed split into this many equal descriptors
+    # (one per piece count above 1): whether UCX moves pieces of one transfer in
+    # parallel, i.e. whether a large load gains from being cut up
+    pieces: tuple[int, ...] = ()
 
 
 class XferTimeout(Exception):
@@ -295,14 +301,25 @@ class Initiator:
             self.agent.make_connection(self.remote)
         self.out.send(("info", {"ucx": ucx_version(), "remote_agent": self.remote}))
 
-    def descs(self, size: int) -> tuple[Any, Any]:
+    def descs(self, size: int, pieces: int = 1) -> tuple[Any, Any]:
+        """``size`` bytes at the start of both buffers, as ``pieces`` equal
+        descriptors (the last takes the remainder)."""
+        step = size // pieces
+        offsets = np.arange(pieces, dtype=np.uint64) * np.uint64(step)
+        lengths = np.full(pieces, step, dtype=np.uint64)
+        lengths[-1] = size - step * (pieces - 1)
+
+        def table(base: int, device: int) -> np.ndarray:
+            return np.stack(
+                [np.uint64(base) + offsets, lengths, np.full(pieces, device, np.uint64)],
+                axis=1,
+            )
+
         local = self.agent.get_xfer_descs(
-            np.array([[self.buf.data_ptr(), size, self.dev_id]], dtype=np.uint64),
-            self.mem_type,
+            table(self.buf.data_ptr(), self.dev_id), self.mem_type
         )
         remote = self.agent.get_xfer_descs(
-            np.array([[self.remote_ptr, size, self.remote_dev]], dtype=np.uint64),
-            self.mem_type,
+            table(self.remote_ptr, self.remote_dev), self.mem_type
         )
         return local, remote
 
@@ -355,16 +372,15 @@ class Initiator:
         assert kind == "verified", kind
         return bool(ok)
 
-    def run_fresh(self, op: str, size: int) -> None:
-        local, remote = self.descs(size)
+    def run_fresh(self, op: str, size: int, pieces: int = 1) -> None:
+        local, remote = self.descs(size, pieces)
         self.prepare(op)
         for _ in range(self.cfg.warmup):
             self.fresh_copy(op, local, remote)
         samples = [self.fresh_copy(op, local, remote) for _ in range(self.cfg.copies)]
         ok = self.verify(op, size)
-        self.emit_row(
-            op, "fresh", size, "yes" if ok else "NO", **percentile_row(samples)
-        )
+        mode = "fresh" if pieces == 1 else f"fresh, {pieces} descriptors"
+        self.emit_row(op, mode, size, "yes" if ok else "NO", **percentile_row(samples))
 
     def run_reposted(self, op: str, size: int) -> None:
         local, remote = self.descs(size)
@@ -421,10 +437,16 @@ class Initiator:
                 self.buf.copy_(initiator_pattern(self.cfg.region_bytes, self.device))
                 fence(self.cfg)
             for size in self.cfg.sizes:
-                for mode, case in (
+                cases: list[tuple[str, Callable[[str, int], None]]] = [
                     ("fresh", self.run_fresh),
                     ("reposted", self.run_reposted),
-                ):
+                ]
+                cases += [
+                    (f"fresh, {n} descriptors", functools.partial(self._split, n))
+                    for n in self.cfg.pieces
+                    if n > 1
+                ]
+                for mode, case in cases:
                     try:
                         case(op, size)
                     except XferTimeout as exc:
@@ -436,6 +458,9 @@ class Initiator:
                         note = f"{type(exc).__name__}: {exc}"
                         self.emit_row(op, mode, size, "error", note)
         return True
+
+    def _split(self, pieces: int, op: str, size: int) -> None:
+        self.run_fresh(op, size, pieces)
 
     def close(self) -> None:
         self.peer.send(("done",))
@@ -645,6 +670,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=120.0,
         help="stop a variant's children after this long without progress",
     )
+    parser.add_argument(
+        "--pieces",
+        default="",
+        help="also time fresh transfers split into this many equal descriptors "
+        "(comma-separated counts, e.g. 4,16)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write all results here")
     args = parser.parse_args(argv)
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -655,6 +686,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     region = args.region_mib * MIB
     if not args.sizes or max(args.sizes) > region or min(args.sizes) <= 0:
         parser.error(f"sizes must be positive and fit in the {args.region_mib} MiB")
+    args.piece_counts = tuple(int(n) for n in args.pieces.split(",") if n.strip())
+    if any(n < 1 for n in args.piece_counts):
+        parser.error("--pieces counts must be >= 1")
     if args.copies < 1 or args.warmup < 0:
         parser.error("--copies must be >= 1 and --warmup >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -672,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         copies=args.copies,
         timeout_s=args.timeout_s,
         stall_s=args.stall_s,
+        pieces=args.piece_counts,
     )
     nixl_version = importlib.metadata.version("nixl")
     name = device_name(args.device)

@@ -291,7 +291,8 @@ class BenchPeer(xo.StatelessActor):
         plan, every DeviceWorkMark.wait (timed as "slab wait": the wait for the
         last scatter out of the slab before a READ, and also the pinned id
         buffer's wait inside the scatter and the end-of-load wait when the copies
-        outlast its poll), the READ (post to completion) and the scatter."""
+        outlast its poll), the READ (post to completion), the scatter and the
+        end-of-load wait for the copies the scatters queued ("settle")."""
         self._steps: dict[str, list[float]] = {}
 
         def timed(name: str, function: Any) -> Any:
@@ -388,6 +389,7 @@ class BenchPeer(xo.StatelessActor):
             source = await holder.transport_call("source", "bench", keys)
             hint = TransportHint(source.epoch, tuple(source.first_rows))
             extra = {"hint": hint, "dst_block_ids": blocks}
+        timed = getattr(self, "_timed", None)
         times = []
         for _ in range(n):
             start = time.perf_counter()
@@ -401,7 +403,10 @@ class BenchPeer(xo.StatelessActor):
             )
             await transport.load(holder_call, 0, "bench", keys, scatter, **extra)
             # the engine may read the blocks only once every write has completed
+            settling = time.perf_counter()
             await settle(written)
+            if timed is not None:
+                self._record("settle", settling)
             times.append(time.perf_counter() - start)
         return times
 
