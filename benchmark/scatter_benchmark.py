@@ -7,20 +7,14 @@ takes depends on how the engine allocated its layers:
   one allocation     equally spaced views of one storage (vLLM on CPU): one
                      ``index_copy_`` through the stacked view;
   per layer, span    one allocation per layer (vLLM on a GPU), addresses on whole
-                     pieces: one ``index_copy_`` over the piece span, its row
-                     indices computed on the host with the destinations and
-                     copied with them (``BlockDestinations.span_rows``);
-  per layer, span, rows on device  the same span, only the block ids staged and
-                     the row indices computed on the device by one broadcast
-                     addition per chunk (the path before the staged rows);
+                     pieces: one ``index_copy_`` over the piece span, after one
+                     broadcast addition for the row indices;
   per layer, loop    the same allocations with the span switched off: one
                      ``index_copy_`` per layer, the path before the span (baseline).
 
 Qwen2.5-0.5B's geometry (24 layers, K/V-first blocks of 16 tokens x 2 heads x 64
-dims in bfloat16: 8 KiB per layer and block) at 1, 16 and 64 blocks. Each timing is
-a load's part as the load runner does it: the destinations staged once
-(``destinations``: checks, the host-to-device copy through pinned buffers), the
-scatter, and a device synchronisation.
+dims in bfloat16: 8 KiB per layer and block) at 1, 16 and 64 blocks. Each timing
+includes the ids' host-to-device copy, the scatter and a device synchronisation.
 Cases alternate within every round; the table gives the median and p95 over
 rounds, and the ratio of each case's median to the loop's. Every case's result is
 checked against the loop's.
@@ -33,7 +27,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -42,11 +35,7 @@ from typing import Any
 
 import torch
 
-from xinference.model.llm.vllm.xavier.engine.blocks import (
-    BlockDestinations,
-    BlockMajorCache,
-)
-from xinference.model.llm.vllm.xavier.engine.device import PinnedIds
+from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import (
     KV_FIRST_LAYOUT,
     detect_layout,
@@ -56,8 +45,7 @@ NUM_LAYERS = 24
 NUM_BLOCKS = 2048
 BLOCK_SHAPE = (16, 2, 64)  # tokens, kv heads, head size
 BLOCK_COUNTS = (1, 16, 64)
-SPAN_ON_DEVICE = "per layer, span, rows on device"
-CASES = ("per layer, loop", SPAN_ON_DEVICE, "per layer, span", "one allocation")
+CASES = ("per layer, loop", "per layer, span", "one allocation")
 
 
 def engine_layers(device: str, one_allocation: bool) -> list[torch.Tensor]:
@@ -80,7 +68,7 @@ def make_caches(device: str) -> dict[str, BlockMajorCache]:
         )
         if case == "per layer, loop":
             cache._span = None  # the baseline: the path the span replaced
-        elif case.startswith("per layer, span") and cache.scatter_path != "span":
+        elif case == "per layer, span" and cache.scatter_path != "span":
             raise SystemExit("the allocator's addresses do not allow a piece span here")
         caches[case] = cache
     return caches
@@ -89,35 +77,14 @@ def make_caches(device: str) -> dict[str, BlockMajorCache]:
 def timed_scatter(
     cache: BlockMajorCache,
     rows: torch.Tensor,
-    stage: Callable[[], BlockDestinations],
+    ids: torch.Tensor,
     sync: Callable[[], None],
 ) -> float:
-    """Microseconds for staging a load's destinations and one ``scatter_rows`` of
-    whole snapshots, synchronised."""
+    """Microseconds for one ``scatter_rows`` of whole snapshots, synchronised."""
     start = time.perf_counter()
-    cache.scatter_rows(0, rows, stage())
+    cache.scatter_rows(0, rows, ids)
     sync()
     return (time.perf_counter() - start) * 1e6
-
-
-def stagers(
-    caches: dict[str, BlockMajorCache], ids: list[int], device: str
-) -> dict[str, Callable[[], BlockDestinations]]:
-    """How each case stages a load's destinations: ``destinations``, except the
-    span with rows on the device, which stages the block ids alone (as
-    ``destinations`` did before the span rows were staged with them)."""
-    pinned = PinnedIds(torch.device(device)) if device == "cuda" else None
-
-    def ids_only() -> BlockDestinations:
-        if pinned is not None:
-            return BlockDestinations(tuple(ids), pinned.to_device(ids))
-        return BlockDestinations(tuple(ids), torch.tensor(ids, dtype=torch.long))
-
-    out: dict[str, Callable[[], BlockDestinations]] = {
-        case: functools.partial(caches[case].destinations, ids) for case in CASES
-    }
-    out[SPAN_ON_DEVICE] = ids_only
-    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -141,12 +108,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             generator=generator,
         ).to(device)
         ids = torch.randperm(NUM_BLOCKS, generator=generator)[:blocks]
-        stage = stagers(caches, ids.tolist(), device)
         times: dict[str, list[float]] = {case: [] for case in CASES}
         for round_ in range(args.warmup + args.rounds):
             order = CASES if round_ % 2 == 0 else CASES[::-1]
             for case in order:
-                took = timed_scatter(caches[case], rows, stage[case], sync)
+                took = timed_scatter(caches[case], rows, ids, sync)
                 if round_ >= args.warmup:
                     times[case].append(took)
         reference = caches["per layer, loop"]

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..wire import KVGeometry
@@ -35,11 +34,6 @@ class BlockDestinations:
 
     ids: tuple[int, ...]
     index: torch.Tensor  # 1-D torch.long on the cache's device
-    # With a piece span: every key's rows in it, key after key (1-D torch.long on
-    # the device), computed on the host and copied together with ``index``, so a
-    # chunk of whole snapshots is one ``index_copy_`` with no index arithmetic
-    # queued before it.
-    span_rows: torch.Tensor | None = None
 
 
 class BlockMajorCache:
@@ -209,19 +203,11 @@ class BlockMajorCache:
         the scatters queued after it on the same stream see them."""
         ids = [int(b) for b in block_ids]
         self._check_ids(ids, unique=True)
-        values: Sequence[int] | np.ndarray = ids
-        if self._span is not None:
-            # the span's rows travel in the same copy, after the ids
-            values = np.concatenate(
-                (np.asarray(ids, dtype=np.int64), self._span.rows_of(ids))
-            )
         if self._pinned_ids is not None:
-            staged = self._pinned_ids.to_device(values)
+            index = self._pinned_ids.to_device(ids)
         else:
-            staged = torch.as_tensor(values, dtype=torch.long, device=self.device)
-        n = len(ids)
-        span_rows = staged[n:] if self._span is not None else None
-        return BlockDestinations(tuple(ids), staged[:n], span_rows)
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return BlockDestinations(tuple(ids), index)
 
     def scatter_rows(
         self,
@@ -251,29 +237,22 @@ class BlockMajorCache:
             return
         first_key = first_row // num_layers
         last_key = (first_row + n - 1) // num_layers
-        staged = isinstance(destinations, BlockDestinations)
-        count = len(destinations.ids) if staged else destinations.numel()
+        if isinstance(destinations, BlockDestinations):
+            count = len(destinations.ids)
+            index = destinations.index[first_key : last_key + 1]
+        else:
+            count = destinations.numel()
+            index = destinations[first_key : last_key + 1]
         if first_row < 0 or last_key >= count:
             raise ValueError(
                 f"rows {first_row}..{first_row + n - 1} need destinations for keys "
                 f"{first_key}..{last_key}, got {count} destinations"
             )
-        rows = rows.to(self.device)
-        whole = first_row % num_layers == 0 and n % num_layers == 0
-        if whole and staged and destinations.span_rows is not None:
-            assert self._span is not None
-            per_key = destinations.span_rows.numel() // count
-            targets = destinations.span_rows[first_key * per_key : (last_key + 1) * per_key]
-            self._span.scatter_at(targets, rows)
-            return
-        if staged:
-            index = destinations.index[first_key : last_key + 1]
-        else:
+        if not isinstance(destinations, BlockDestinations):
             # One host-to-device copy of the ids per chunk.
-            index = self._check_index(
-                destinations[first_key : last_key + 1], unique=True
-            )
-        if whole:
+            index = self._check_index(index, unique=True)
+        rows = rows.to(self.device)
+        if first_row % num_layers == 0 and n % num_layers == 0:
             self._scatter_snapshots(index, rows)
             return
         for layer in range(num_layers):
@@ -454,7 +433,6 @@ class _PieceSpan:
     ) -> None:
         self._span = span  # (units, piece elements)
         self._piece_rows = piece_rows  # (layers, pieces per block): rows of block 0
-        self._host_piece_rows = piece_rows.cpu().numpy().ravel()
         self._block_step = block_step  # rows from one block to the next
 
     @classmethod
@@ -518,25 +496,14 @@ class _PieceSpan:
         )
         return self._span.index_select(0, sources.view(-1)).view(index.numel(), -1)
 
-    def rows_of(self, block_ids: Sequence[int]) -> np.ndarray:
-        """The span rows of every piece of ``block_ids`` (checked), block after
-        block, each block's layers in order: ``scatter_at``'s targets, on the host."""
-        ids = np.asarray(block_ids, dtype=np.int64)[:, None]
-        return (ids * self._block_step + self._host_piece_rows).ravel()
-
     def scatter(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole snapshots ``rows`` ``(keys * L, R)`` uint8 into blocks ``index``
         (checked, on the device) of every layer."""
         targets = torch.add(
             self._piece_rows, index.view(-1, 1, 1), alpha=self._block_step
         )
-        self.scatter_at(targets.view(-1), rows)
-
-    def scatter_at(self, targets: torch.Tensor, rows: torch.Tensor) -> None:
-        """Whole snapshots ``rows`` into the span rows ``targets`` (``rows_of``
-        their blocks, on the device): one ``index_copy_``."""
         source = wide_view(rows, self._span.dtype).reshape(-1, self._span.shape[1])
-        self._span.index_copy_(0, targets, source)
+        self._span.index_copy_(0, targets.view(-1), source)
 
 
 class _CudaBytes:

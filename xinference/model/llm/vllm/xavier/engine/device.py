@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
@@ -165,7 +164,7 @@ class PinnedIds:
         self._copied = [DeviceWorkMark(device) for _ in range(slots)]
         self._next = 0
 
-    def to_device(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
+    def to_device(self, values: Sequence[int]) -> torch.Tensor:
         """``values`` as a 1-D ``torch.long`` tensor on the device; the copy is
         queued on the current stream."""
         slot = self._next
