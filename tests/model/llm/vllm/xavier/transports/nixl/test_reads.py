@@ -85,6 +85,7 @@ async def test_a_large_read_ends_within_a_spin_as_long_as_its_bytes_take(
     # no fixed spin, and 12 MiB take 60 ms at the spin's rate.
     monkeypatch.setattr(reads, "SPIN_POLL_S", 0.0)
     monkeypatch.setattr(reads, "SPIN_BYTES_PER_S", 12 * MIB / 0.060)
+    monkeypatch.setattr(reads, "SPIN_MAX_S", 1.0)
     agent = TimedAgent(duration_s=0.020)
     polled: list[str] = []
     await read_with(agent, 12 * MIB, polled)
@@ -98,8 +99,21 @@ async def test_a_small_read_that_outlasts_its_spin_is_polled_to_its_end(
 ) -> None:
     monkeypatch.setattr(reads, "SPIN_POLL_S", 0.0)
     monkeypatch.setattr(reads, "SPIN_BYTES_PER_S", 12 * MIB / 0.060)
+    monkeypatch.setattr(reads, "SPIN_MAX_S", 1.0)
     agent = TimedAgent(duration_s=0.020)
     polled: list[str] = []
     await read_with(agent, 8 * 1024, polled)  # a spin of 40 us
+    assert polled == ["polled"]
+    assert len(agent.released) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_spin_never_outlasts_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reads, "SPIN_POLL_S", 0.0)
+    monkeypatch.setattr(reads, "SPIN_BYTES_PER_S", 12 * MIB / 0.060)
+    monkeypatch.setattr(reads, "SPIN_MAX_S", 0.001)
+    agent = TimedAgent(duration_s=0.020)
+    polled: list[str] = []
+    await read_with(agent, 12 * MIB, polled)  # its bytes would spin for 60 ms
     assert polled == ["polled"]
     assert len(agent.released) == 1

@@ -40,6 +40,8 @@ SPIN_POLL_S = 100e-6
 # (12 MiB: about 40 us over cuda_ipc on an H200, more on a busy host) also ends
 # within the spin instead of paying a task and the event loop's turns for it.
 SPIN_BYTES_PER_S = 200e9
+# ... but never longer than this: the loop serves other loads and stagings too.
+SPIN_MAX_S = 1e-3
 YIELD_POLL_S = 200e-6
 FIRST_POLL_SLEEP_S = 1e-4
 MAX_POLL_SLEEP_S = 1e-3
@@ -209,8 +211,10 @@ class ReadWaiter:
 
     def _spin(self, handle: Any, state: str, nbytes: int) -> str:
         """Check a just-posted READ of ``nbytes`` without yielding, for up to
-        ``SPIN_POLL_S`` plus the bytes' time at ``SPIN_BYTES_PER_S``."""
-        until = time.perf_counter() + SPIN_POLL_S + nbytes / SPIN_BYTES_PER_S
+        ``SPIN_POLL_S`` plus the bytes' time at ``SPIN_BYTES_PER_S``, at most
+        ``SPIN_MAX_S``."""
+        spin = min(SPIN_POLL_S + nbytes / SPIN_BYTES_PER_S, SPIN_MAX_S)
+        until = time.perf_counter() + spin
         while state == "PROC" and time.perf_counter() < until:
             state = self._agent.check_xfer_state(handle)
         return state
