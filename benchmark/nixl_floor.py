@@ -25,6 +25,9 @@ What is timed, in the initiator process, per (variant, op, size):
             a note when this NIXL version refuses to re-post a finished handle)
   local copy  the floor of the floor: ``dst[:n].copy_(src[:n])`` between two tensors
             in the initiator (with a device synchronize on CUDA)
+  fresh, k descriptors  ``fresh`` with the same bytes cut into k equal descriptors
+            (``--pieces k,...``): whether UCX moves the pieces of one transfer in
+            parallel, i.e. whether a large load would gain from being cut up
 
 Every case runs ``--warmup`` untimed copies, then ``--copies`` timed ones. READ cases
 run first, then WRITE cases. Contents are verified after each timed loop: READs
@@ -38,6 +41,7 @@ Run from the repository root:
   UCX_PROTO_INFO=y python benchmark/nixl_floor.py --device cuda
   python benchmark/nixl_floor.py --device cpu [--copies 50] [--json out.json]
   python benchmark/nixl_floor.py --device cuda --variants default,no-emulation
+  python benchmark/nixl_floor.py --device cuda --variants get-zcopy-on --pieces 2,4,16
 
 The exit code is non-zero when any verification failed, any case timed out or
 errored, or a child process died. Only torch, numpy, nixl and the standard library
@@ -311,7 +315,11 @@ class Initiator:
 
         def table(base: int, device: int) -> np.ndarray:
             return np.stack(
-                [np.uint64(base) + offsets, lengths, np.full(pieces, device, np.uint64)],
+                [
+                    np.uint64(base) + offsets,
+                    lengths,
+                    np.full(pieces, device, np.uint64),
+                ],
                 axis=1,
             )
 
