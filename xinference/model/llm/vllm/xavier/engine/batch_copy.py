@@ -11,7 +11,9 @@ queues every copy of the chunk on the stream. Nothing is copied to the device fi
 
 The batch is stream-ordered like any copy (``srcAccessOrder`` STREAM): it runs after
 the work queued before it on the stream and before the work queued after it, so a
-``DeviceWorkMark`` recorded afterwards covers it. Copies within one batch may run in
+``DeviceWorkMark`` recorded afterwards covers it. (On torch's default stream, the
+legacy one, which batches refuse, it goes to the per-thread default stream, which
+is ordered with the legacy stream both ways.) Copies within one batch may run in
 any order; the pieces of a chunk never overlap.
 
 Reached through ``ctypes`` on the driver library that torch has already loaded,
@@ -36,6 +38,11 @@ logger = logging.getLogger(__name__)
 # cuda.h: CUmemcpySrcAccessOrder, CUmemLocationType
 _SRC_ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE = 1
+# cuda.h: CU_STREAM_PER_THREAD. Batched copies refuse the legacy default stream
+# (handle 0, torch's default); the per-thread default stream is ordered with it
+# both ways (it is a blocking stream), so a batch queued there still runs after
+# the work torch queued before it and before the work queued after it.
+_STREAM_PER_THREAD = 0x2
 
 
 class _MemLocation(ctypes.Structure):
@@ -114,7 +121,9 @@ class BatchCopier:
         count = len(sizes)
         if count == 0:
             return
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = (
+            torch.cuda.current_stream(self.device).cuda_stream or _STREAM_PER_THREAD
+        )
         extra: tuple[Any, ...] = (
             (ctypes.byref(self._fail_index),) if self._with_fail_index else ()
         )
@@ -178,9 +187,7 @@ class BatchScatter:
         self._offsets = np.zeros(0, dtype=np.uint64)
         self._sizes = np.zeros(0, dtype=np.uint64)
 
-    def scatter(
-        self, first_row: int, ids: Sequence[int], rows: torch.Tensor
-    ) -> None:
+    def scatter(self, first_row: int, ids: Sequence[int], rows: torch.Tensor) -> None:
         """Global rows ``first_row ..`` (``rows``: ``(n, R)`` uint8 on the device)
         into blocks ``ids`` (checked: the blocks of keys ``first_row // layers``
         onwards) of their layers; queued on the current stream."""
@@ -199,9 +206,7 @@ class BatchScatter:
             ).ravel()
         count = n * self._per_row
         if self._offsets.size < count:
-            self._offsets = np.arange(count, dtype=np.uint64) * np.uint64(
-                self._segment
-            )
+            self._offsets = np.arange(count, dtype=np.uint64) * np.uint64(self._segment)
             self._sizes = np.full(count, self._segment, dtype=np.uint64)
         srcs = np.uint64(rows.data_ptr()) + self._offsets[:count]
         self._copier.copy(dsts, srcs, self._sizes[:count])
