@@ -6,22 +6,15 @@ takes depends on how the engine allocated its layers:
 
   one allocation     equally spaced views of one storage (vLLM on CPU): one
                      ``index_copy_`` through the stacked view;
-  per layer, batch   one allocation per layer (vLLM on a GPU): one batch of copies
-                     through the driver (``cuMemcpyBatchAsync``), a copy per piece,
-                     addresses computed on the host; no ids copied to the device
-                     (what a GPU takes where the driver allows: CUDA 12.8 or later);
-  per layer, span    the same allocations on the torch path, addresses on whole
+  per layer, span    one allocation per layer (vLLM on a GPU), addresses on whole
                      pieces: one ``index_copy_`` over the piece span, after one
                      broadcast addition for the row indices;
   per layer, loop    the same allocations with the span switched off: one
                      ``index_copy_`` per layer, the path before the span (baseline).
 
 Qwen2.5-0.5B's geometry (24 layers, K/V-first blocks of 16 tokens x 2 heads x 64
-dims in bfloat16: 8 KiB per layer and block) at 1, 16 and 64 blocks. Each timing is
-a load's part as the load runner does it: its destinations staged once
-(``destinations``: checked, and on the torch paths copied to the device through
-pinned buffers), the scatter, and a device synchronisation. The batch case runs on
-CUDA only.
+dims in bfloat16: 8 KiB per layer and block) at 1, 16 and 64 blocks. Each timing
+includes the ids' host-to-device copy, the scatter and a device synchronisation.
 Cases alternate within every round; the table gives the median and p95 over
 rounds, and the ratio of each case's median to the loop's. Every case's result is
 checked against the loop's.
@@ -52,7 +45,7 @@ NUM_LAYERS = 24
 NUM_BLOCKS = 2048
 BLOCK_SHAPE = (16, 2, 64)  # tokens, kv heads, head size
 BLOCK_COUNTS = (1, 16, 64)
-CASES = ("per layer, loop", "per layer, span", "per layer, batch", "one allocation")
+CASES = ("per layer, loop", "per layer, span", "one allocation")
 
 
 def engine_layers(device: str, one_allocation: bool) -> list[torch.Tensor]:
@@ -66,25 +59,17 @@ def engine_layers(device: str, one_allocation: bool) -> list[torch.Tensor]:
     return list(flat.unbind(0))
 
 
-def cases_for(device: str) -> tuple[str, ...]:
-    return CASES if device == "cuda" else tuple(c for c in CASES if "batch" not in c)
-
-
 def make_caches(device: str) -> dict[str, BlockMajorCache]:
     caches = {}
-    for case in cases_for(device):
+    for case in CASES:
         layers = engine_layers(device, one_allocation=case == "one allocation")
         cache = BlockMajorCache(
-            layers,
-            detect_layout(layers, NUM_BLOCKS, KV_FIRST_LAYOUT),
-            batch_copies=case == "per layer, batch",
+            layers, detect_layout(layers, NUM_BLOCKS, KV_FIRST_LAYOUT)
         )
         if case == "per layer, loop":
             cache._span = None  # the baseline: the path the span replaced
         elif case == "per layer, span" and cache.scatter_path != "span":
             raise SystemExit("the allocator's addresses do not allow a piece span here")
-        elif case == "per layer, batch" and cache.scatter_path != "batch":
-            raise SystemExit(f"no batched copies on {device} (CUDA 12.8 or later)")
         caches[case] = cache
     return caches
 
@@ -92,13 +77,12 @@ def make_caches(device: str) -> dict[str, BlockMajorCache]:
 def timed_scatter(
     cache: BlockMajorCache,
     rows: torch.Tensor,
-    ids: list[int],
+    ids: torch.Tensor,
     sync: Callable[[], None],
 ) -> float:
-    """Microseconds for staging a load's destinations and one ``scatter_rows`` of
-    whole snapshots, synchronised."""
+    """Microseconds for one ``scatter_rows`` of whole snapshots, synchronised."""
     start = time.perf_counter()
-    cache.scatter_rows(0, rows, cache.destinations(ids))
+    cache.scatter_rows(0, rows, ids)
     sync()
     return (time.perf_counter() - start) * 1e6
 
@@ -112,7 +96,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = args.device
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     caches = make_caches(device)
-    cases = cases_for(device)
     row_bytes = caches[CASES[0]].layout.layer_block_nbytes
     generator = torch.Generator().manual_seed(0)
     results = []
@@ -125,21 +108,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             generator=generator,
         ).to(device)
         ids = torch.randperm(NUM_BLOCKS, generator=generator)[:blocks]
-        times: dict[str, list[float]] = {case: [] for case in cases}
+        times: dict[str, list[float]] = {case: [] for case in CASES}
         for round_ in range(args.warmup + args.rounds):
-            order = cases if round_ % 2 == 0 else cases[::-1]
+            order = CASES if round_ % 2 == 0 else CASES[::-1]
             for case in order:
-                took = timed_scatter(caches[case], rows, ids.tolist(), sync)
+                took = timed_scatter(caches[case], rows, ids, sync)
                 if round_ >= args.warmup:
                     times[case].append(took)
         reference = caches["per layer, loop"]
-        for case in cases:
+        for case in CASES:
             for layer in range(NUM_LAYERS):
                 got = caches[case].gather(layer, ids.to(device))
                 if not torch.equal(got, reference.gather(layer, ids.to(device))):
                     raise SystemExit(f"{case}: layer {layer} differs from the loop's")
         base = statistics.median(times["per layer, loop"])
-        for case in cases:
+        for case in CASES:
             p50 = statistics.median(times[case])
             results.append(
                 {

@@ -29,9 +29,8 @@ transport, so one run compares them under the same conditions:
 
 ``--engine-allocation one`` lays the engine's layers out as views of one allocation
 (vLLM on CPU does; the scatter then copies a chunk in one kernel through the stacked
-layers), ``per-layer`` gives each layer its own allocation (vLLM on GPU does; on a
-GPU one batch of driver copies per chunk, ``--no-batch-copies`` for torch's path:
-one copy through the piece span where the addresses allow, else one per layer),
+layers), ``per-layer`` gives each layer its own allocation (vLLM on GPU does; one
+copy through the piece span where the addresses allow, else one per layer),
 ``cross-layer`` one allocation with blocks outermost, then layers (vLLM's
 cross-layer cache: a block of every layer is contiguous). The header says which
 scatter path the loader took.
@@ -222,12 +221,7 @@ def _fence(device: torch.device) -> None:
 
 class BenchPeer(xo.StatelessActor):
     def __init__(
-        self,
-        device: str,
-        layout: str,
-        allocation: str,
-        torch_threads: int,
-        batch_copies: bool,
+        self, device: str, layout: str, allocation: str, torch_threads: int
     ) -> None:
         super().__init__()
         if torch_threads > 0:
@@ -242,9 +236,7 @@ class BenchPeer(xo.StatelessActor):
         tensors = engine_tensors(layout, device, allocation)
         self.engine = tensors
         self.cache = BlockMajorCache(
-            tensors,
-            detect_layout(tensors, ENGINE_BLOCKS, layout),
-            batch_copies=batch_copies,
+            tensors, detect_layout(tensors, ENGINE_BLOCKS, layout)
         )
         self.transports: dict[str, Any] = {}
         self._holder: Any = None
@@ -595,7 +587,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     layout,
                     args.engine_allocation,
                     args.torch_threads,
-                    not args.no_batch_copies,
                     address=address,
                     uid=uid,
                 )
@@ -686,12 +677,6 @@ def main() -> None:
         type=int,
         default=1,
         help="torch intra-op threads per process (0: torch's default)",
-    )
-    parser.add_argument(
-        "--no-batch-copies",
-        action="store_true",
-        help="scatter through torch (span or per layer) even where the driver "
-        "batches copies (CUDA 12.8 or later), to compare the two",
     )
     parser.add_argument(
         "--breakdown",

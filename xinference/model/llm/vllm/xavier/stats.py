@@ -117,7 +117,7 @@ class EngineInfo:
     layout: str
     layers: int
     device: str
-    scatter_path: str  # see engine/blocks.py: stacked, batch, span or per layer
+    scatter_path: str  # see engine/blocks.py: stacked, span or per layer
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,11 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..wire import KVGeometry
-from .batch_copy import BatchCopier, BatchScatter
 from .device import PinnedIds, host_to_device
 from .layout import WIDE_DTYPES, KVLayout, dtype_name, wide_view, write_snapshot_rows
 
@@ -35,9 +33,7 @@ class BlockDestinations:
     each chunk then neither checks nor copies them again."""
 
     ids: tuple[int, ...]
-    # 1-D torch.long on the cache's device; None where the cache scatters by
-    # batched copies (``scatter_path`` "batch"), whose addresses are host arithmetic
-    index: torch.Tensor | None
+    index: torch.Tensor  # 1-D torch.long on the cache's device
 
 
 class BlockMajorCache:
@@ -49,15 +45,7 @@ class BlockMajorCache:
     is contiguous, including the non-contiguous per-layer views of ``kv_first``.
     """
 
-    def __init__(
-        self,
-        tensors: Sequence[torch.Tensor],
-        layout: KVLayout,
-        *,
-        batch_copies: bool = True,
-    ) -> None:
-        """``batch_copies=False`` keeps a GPU's scatter on the torch paths
-        (``scatter_path``), for comparing the two."""
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: KVLayout) -> None:
         if not tensors:
             raise ValueError("no KV cache tensors")
         self.layout = layout
@@ -108,14 +96,6 @@ class BlockMajorCache:
             if self._stacked is not None
             else _PieceSpan.build(self._layers, layout.block_axis, self._element)
         )
-        # On a GPU, layers that are not stacked take a chunk's rows by one batch of
-        # copies whose addresses are computed on the host (``_BatchScatter``): no
-        # ids copied to the device, no index kernel.
-        self._batch = (
-            _batch_scatter(self._layers, layout.block_axis)
-            if batch_copies and self._stacked is None and self.device.type == "cuda"
-            else None
-        )
 
     @property
     def num_layers(self) -> int:
@@ -127,8 +107,6 @@ class BlockMajorCache:
         ``span`` (one copy), or ``per layer``."""
         if self._stacked is not None:
             return "stacked"
-        if self._batch is not None:
-            return "batch"
         return "span" if self._span is not None else "per layer"
 
     @property
@@ -225,8 +203,6 @@ class BlockMajorCache:
         the scatters queued after it on the same stream see them."""
         ids = [int(b) for b in block_ids]
         self._check_ids(ids, unique=True)
-        if self._batch is not None:
-            return BlockDestinations(tuple(ids), None)  # addresses: host arithmetic
         if self._pinned_ids is not None:
             index = self._pinned_ids.to_device(ids)
         else:
@@ -261,33 +237,21 @@ class BlockMajorCache:
             return
         first_key = first_row // num_layers
         last_key = (first_row + n - 1) // num_layers
-        staged: BlockDestinations | None = None
         if isinstance(destinations, BlockDestinations):
-            staged, count = destinations, len(destinations.ids)
+            count = len(destinations.ids)
+            index = destinations.index[first_key : last_key + 1]
         else:
             count = destinations.numel()
+            index = destinations[first_key : last_key + 1]
         if first_row < 0 or last_key >= count:
             raise ValueError(
                 f"rows {first_row}..{first_row + n - 1} need destinations for keys "
                 f"{first_key}..{last_key}, got {count} destinations"
             )
-        rows = rows.to(self.device)
-        keys = slice(first_key, last_key + 1)
-        if self._batch is not None:
-            if staged is not None:
-                ids = list(staged.ids[keys])
-            else:
-                assert isinstance(destinations, torch.Tensor)
-                ids = self._checked_ids(destinations[keys])
-            self._batch.scatter(first_row, ids, rows)
-            return
-        if staged is not None:
-            assert staged.index is not None
-            index = staged.index[keys]
-        else:
-            assert isinstance(destinations, torch.Tensor)
+        if not isinstance(destinations, BlockDestinations):
             # One host-to-device copy of the ids per chunk.
-            index = self._check_index(destinations[keys], unique=True)
+            index = self._check_index(index, unique=True)
+        rows = rows.to(self.device)
         if first_row % num_layers == 0 and n % num_layers == 0:
             self._scatter_snapshots(index, rows)
             return
@@ -321,18 +285,6 @@ class BlockMajorCache:
             return
         for layer, source in zip(self._layers, blocks.unbind(0), strict=True):
             layer.index_copy_(axis, index, source)
-
-    def _checked_ids(self, block_ids: torch.Tensor) -> list[int]:
-        """``block_ids`` (a 1-D torch.long tensor) as a checked list: in range, no
-        repeats."""
-        if block_ids.dtype != torch.long or block_ids.dim() != 1:
-            raise ValueError(
-                f"block ids must be a 1-D torch.long tensor, got {block_ids.dtype} "
-                f"with shape {tuple(block_ids.shape)}"
-            )
-        ids = block_ids.tolist()
-        self._check_ids(ids, unique=True)
-        return ids
 
     def _check_index(
         self, block_ids: torch.Tensor, unique: bool = False
@@ -552,27 +504,6 @@ class _PieceSpan:
         )
         source = wide_view(rows, self._span.dtype).reshape(-1, self._span.shape[1])
         self._span.index_copy_(0, targets.view(-1), source)
-
-
-def _batch_scatter(
-    layers: Sequence[torch.Tensor], block_axis: int
-) -> BatchScatter | None:
-    """The batch path for ``layers`` on a GPU, or None where the driver cannot
-    batch copies or the layers' pieces cannot be described."""
-    try:
-        pieces = BlockPieces.of(layers, block_axis)
-    except ValueError:
-        return None
-    copier = BatchCopier.open(layers[0].device)
-    if copier is None:
-        return None
-    return BatchScatter(
-        copier,
-        pieces.layer_bases,
-        pieces.block_stride,
-        pieces.segment_offsets,
-        pieces.segment_nbytes,
-    )
 
 
 class _CudaBytes:
