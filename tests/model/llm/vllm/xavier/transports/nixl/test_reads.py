@@ -52,7 +52,11 @@ def plan_of(nbytes: int) -> ReadPlan:
     return ReadPlan(local=one, remote=one.copy(), nbytes=nbytes)
 
 
-async def read_with(agent: TimedAgent, nbytes: int, polled: list[str]) -> None:
+async def polls_of_a_read(nbytes: int) -> list[str]:
+    """READ ``nbytes`` from an agent that takes 20 ms; "polled" once if the READ
+    outlasted its spin (``ReadWaiter._wait``), nothing if it ended within it."""
+    agent = TimedAgent(duration_s=0.020)
+
     async def retire(destination: str) -> None:
         return None
 
@@ -61,6 +65,7 @@ async def read_with(agent: TimedAgent, nbytes: int, polled: list[str]) -> None:
 
     waiter = ReadWaiter(agent, (RuntimeError,), retire, free)
     original = waiter._wait
+    polled: list[str] = []
 
     async def recording_wait(*args: Any, **kwargs: Any) -> None:
         polled.append("polled")
@@ -75,45 +80,35 @@ async def read_with(agent: TimedAgent, nbytes: int, polled: list[str]) -> None:
         timeout_s=5.0,
         destination=DEST_SLAB,
     )
+    assert len(agent.released) == 1  # ended either way, its handle released
+    return polled
+
+
+@pytest.fixture
+def scaled_spin(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Spins scaled up to tens of milliseconds, so that a busy machine cannot blur
+    them: no fixed part, and 12 MiB take 60 ms at the spin's rate."""
+    monkeypatch.setattr(reads, "SPIN_POLL_S", 0.0)
+    monkeypatch.setattr(reads, "SPIN_BYTES_PER_S", 12 * MIB / 0.060)
+    monkeypatch.setattr(reads, "SPIN_MAX_S", 1.0)
+    return monkeypatch
 
 
 @pytest.mark.asyncio
 async def test_a_large_read_ends_within_a_spin_as_long_as_its_bytes_take(
-    monkeypatch: pytest.MonkeyPatch,
+    scaled_spin: pytest.MonkeyPatch,
 ) -> None:
-    # Scaled up to tens of milliseconds, so that a busy machine cannot blur it:
-    # no fixed spin, and 12 MiB take 60 ms at the spin's rate.
-    monkeypatch.setattr(reads, "SPIN_POLL_S", 0.0)
-    monkeypatch.setattr(reads, "SPIN_BYTES_PER_S", 12 * MIB / 0.060)
-    monkeypatch.setattr(reads, "SPIN_MAX_S", 1.0)
-    agent = TimedAgent(duration_s=0.020)
-    polled: list[str] = []
-    await read_with(agent, 12 * MIB, polled)
-    assert polled == []  # done inside the spin: no task, no event loop turn
-    assert len(agent.released) == 1
+    assert await polls_of_a_read(12 * MIB) == []  # no task, no event loop turn
 
 
 @pytest.mark.asyncio
 async def test_a_small_read_that_outlasts_its_spin_is_polled_to_its_end(
-    monkeypatch: pytest.MonkeyPatch,
+    scaled_spin: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(reads, "SPIN_POLL_S", 0.0)
-    monkeypatch.setattr(reads, "SPIN_BYTES_PER_S", 12 * MIB / 0.060)
-    monkeypatch.setattr(reads, "SPIN_MAX_S", 1.0)
-    agent = TimedAgent(duration_s=0.020)
-    polled: list[str] = []
-    await read_with(agent, 8 * 1024, polled)  # a spin of 40 us
-    assert polled == ["polled"]
-    assert len(agent.released) == 1
+    assert await polls_of_a_read(8 * 1024) == ["polled"]  # a spin of 40 us
 
 
 @pytest.mark.asyncio
-async def test_a_spin_never_outlasts_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reads, "SPIN_POLL_S", 0.0)
-    monkeypatch.setattr(reads, "SPIN_BYTES_PER_S", 12 * MIB / 0.060)
-    monkeypatch.setattr(reads, "SPIN_MAX_S", 0.001)
-    agent = TimedAgent(duration_s=0.020)
-    polled: list[str] = []
-    await read_with(agent, 12 * MIB, polled)  # its bytes would spin for 60 ms
-    assert polled == ["polled"]
-    assert len(agent.released) == 1
+async def test_a_spin_never_outlasts_its_cap(scaled_spin: pytest.MonkeyPatch) -> None:
+    scaled_spin.setattr(reads, "SPIN_MAX_S", 0.001)
+    assert await polls_of_a_read(12 * MIB) == ["polled"]  # its bytes: 60 ms
