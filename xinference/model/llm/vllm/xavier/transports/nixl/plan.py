@@ -354,9 +354,8 @@ def _descriptors(
     addresses: list[int], lengths: list[int], device_id: int
 ) -> np.ndarray:
     if len(addresses) == 1:  # a load of one run, the common case: half the cost
-        return np.array((addresses[0], lengths[0], device_id), dtype=np.uint64).reshape(
-            1, 3
-        )
+        one = (addresses[0], lengths[0], device_id)
+        return np.array(one, dtype=np.uint64).reshape(1, 3)
     out = np.empty((len(addresses), 3), dtype=np.uint64)
     out[:, 0] = addresses
     out[:, 1] = lengths
