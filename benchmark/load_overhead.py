@@ -174,13 +174,14 @@ async def run(args: argparse.Namespace) -> None:
         print(
             f"one process, DRAM, {LAYERS} layers x {args.row_bytes}-byte rows, "
             f"torch {torch.__version__}, {args.loads} loads after {args.warmup} "
-            "warm-up per case"
+            f"warm-up per case; slab placement scatters by "
+            f"{bench.caches['slab'].scatter_path}"
         )
         print("| placement | blocks | p50 us | p95 us | p50 / engine's at 1 block |")
         print("| --- | ---: | ---: | ---: | ---: |")
         base = None
         profile = cProfile.Profile() if args.profile else None
-        for case in ("engine", "slab"):
+        for case in args.cases.split(","):
             for n in SIZES:
                 await bench.loads(case, n, args.warmup)
                 if profile is not None:
@@ -212,9 +213,14 @@ def main() -> None:
     parser.add_argument("--loads", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument(
+        "--cases", default="engine,slab", help="placements to time: engine, slab"
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="cProfile every timed load"
     )
     args = parser.parse_args()
+    if set(args.cases.split(",")) - {"engine", "slab"}:
+        parser.error("--cases: engine, slab or both")
     if args.row_bytes <= 0 or args.row_bytes % 4 or args.loads < 1 or args.warmup < 0:
         parser.error(
             "--row-bytes must be a positive multiple of 4, --loads positive, "
