@@ -15,8 +15,9 @@ hundred bytes, so what is timed is the load's own cost. Both placements are time
 
 Each case runs ``--warmup`` loads, then ``--loads`` timed ones around
 ``NixlDirectTransport.load`` (and, for the slab, the scatter it calls); contents are
-checked after each case. The ratio column is each case's median over the one-block
-engine load measured in the same run. ``--profile`` prints the functions that took
+checked after each case. The ratio column is each case's median over the first
+row's (the one-block engine load, unless ``--cases`` leaves it out), measured in the
+same run. ``--profile`` prints the functions that took
 the most time over all timed loads.
 
 Run from the repository root (not in CI; needs nixl):
@@ -177,7 +178,7 @@ async def run(args: argparse.Namespace) -> None:
             f"warm-up per case; slab placement scatters by "
             f"{bench.caches['slab'].scatter_path}"
         )
-        print("| placement | blocks | p50 us | p95 us | p50 / engine's at 1 block |")
+        print("| placement | blocks | p50 us | p95 us | p50 / first row's |")
         print("| --- | ---: | ---: | ---: | ---: |")
         base = None
         profile = cProfile.Profile() if args.profile else None
