@@ -17,8 +17,8 @@ Each case runs ``--warmup`` loads, then ``--loads`` timed ones around
 ``NixlDirectTransport.load`` (and, for the slab, the scatter it calls); contents are
 checked after each case. The ratio column is each case's median over the first
 row's (the one-block engine load, unless ``--cases`` leaves it out), measured in the
-same run. ``--profile`` prints the functions that took
-the most time over all timed loads.
+same run. ``--profile`` prints the functions that took the most time over all timed
+loads.
 
 Run from the repository root (not in CI; needs nixl):
 

@@ -450,7 +450,10 @@ class Initiator:
                     ("reposted", self.run_reposted),
                 ]
                 cases += [
-                    (f"fresh, {n} descriptors", functools.partial(self._split, n))
+                    (
+                        f"fresh, {n} descriptors",
+                        functools.partial(self.run_fresh, pieces=n),
+                    )
                     for n in self.cfg.pieces
                     if n > 1
                 ]
@@ -466,9 +469,6 @@ class Initiator:
                         note = f"{type(exc).__name__}: {exc}"
                         self.emit_row(op, mode, size, "error", note)
         return True
-
-    def _split(self, pieces: int, op: str, size: int) -> None:
-        self.run_fresh(op, size, pieces)
 
     def close(self) -> None:
         self.peer.send(("done",))
