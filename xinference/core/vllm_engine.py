@@ -12,6 +12,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psutil
+
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
 from ..model.llm.vllm.xavier.hashing import model_namespace
 from .messages import GenerationChunk, GenerationRequest, ReplicaSpec
@@ -195,10 +197,21 @@ class VLLMEngine:
         return self._engine is None or bool(self._engine.errored)
 
     def shutdown(self) -> None:
-        """Stop the engine core and its worker processes. Blocking: use a thread."""
+        """Stop the engine core and its worker processes. Blocking: use a thread.
+
+        vLLM force-kills an engine core that outlives its grace period (5 s); when
+        the process exits between that check and the kill, psutil raises
+        ``NoSuchProcess`` out of ``shutdown``. The process is gone, which is what
+        shutting down asked for: logged, not raised. Anything it left behind is
+        reaped with the replica's sub-pool (``WorkerActor.remove_replica``).
+        """
         engine, self._engine = self._engine, None
-        if engine is not None:
+        if engine is None:
+            return
+        try:
             engine.shutdown()
+        except psutil.NoSuchProcess as gone:
+            logger.info("engine process %s exited while vLLM was killing it", gone.pid)
 
 
 def _xavier_load(params: dict[str, Any] | None) -> tuple[int, int | None]:
