@@ -10,11 +10,18 @@ takes depends on how the engine allocated its layers:
                      pieces: one ``index_copy_`` over the piece span, after one
                      broadcast addition for the row indices;
   per layer, loop    the same allocations with the span switched off: one
-                     ``index_copy_`` per layer, the path before the span (baseline).
+                     ``index_copy_`` per layer, the path before the span (baseline);
+  span, staged       the span with the ids checked once per load and staged
+                     through a pinned buffer (``BlockMajorCache.destinations``), as
+                     the load runner scatters, CUDA graphs off;
+  span, graph        the same with graphs on: from the second chunk of a shape, the
+                     ids copy, the arithmetic and the copy are one CUDA graph replay.
 
 Qwen2.5-0.5B's geometry (24 layers, K/V-first blocks of 16 tokens x 2 heads x 64
 dims in bfloat16: 8 KiB per layer and block) at 1, 16 and 64 blocks. Each timing
-includes the ids' host-to-device copy, the scatter and a device synchronisation.
+includes the ids' host-to-device copy (the staged cases: checking the ids too), the
+scatter and a device synchronisation. The source rows stay in one buffer, as a
+load's chunks do in the receive slab.
 Cases alternate within every round; the table gives the median and p95 over
 rounds, and the ratio of each case's median to the loop's. Every case's result is
 checked against the loop's.
@@ -45,7 +52,15 @@ NUM_LAYERS = 24
 NUM_BLOCKS = 2048
 BLOCK_SHAPE = (16, 2, 64)  # tokens, kv heads, head size
 BLOCK_COUNTS = (1, 16, 64)
-CASES = ("per layer, loop", "per layer, span", "one allocation")
+CASES = (
+    "per layer, loop",
+    "per layer, span",
+    "span, staged",
+    "span, graph",
+    "one allocation",
+)
+# cases that stage their destinations once per scatter, as a load does
+STAGED = ("span, staged", "span, graph")
 
 
 def engine_layers(device: str, one_allocation: bool) -> list[torch.Tensor]:
@@ -64,11 +79,13 @@ def make_caches(device: str) -> dict[str, BlockMajorCache]:
     for case in CASES:
         layers = engine_layers(device, one_allocation=case == "one allocation")
         cache = BlockMajorCache(
-            layers, detect_layout(layers, NUM_BLOCKS, KV_FIRST_LAYOUT)
+            layers,
+            detect_layout(layers, NUM_BLOCKS, KV_FIRST_LAYOUT),
+            scatter_graphs=case == "span, graph",
         )
         if case == "per layer, loop":
             cache._span = None  # the baseline: the path the span replaced
-        elif case == "per layer, span" and cache.scatter_path != "span":
+        elif case != "one allocation" and cache.scatter_path != "span":
             raise SystemExit("the allocator's addresses do not allow a piece span here")
         caches[case] = cache
     return caches
@@ -79,10 +96,11 @@ def timed_scatter(
     rows: torch.Tensor,
     ids: torch.Tensor,
     sync: Callable[[], None],
+    staged: bool,
 ) -> float:
     """Microseconds for one ``scatter_rows`` of whole snapshots, synchronised."""
     start = time.perf_counter()
-    cache.scatter_rows(0, rows, ids)
+    cache.scatter_rows(0, rows, cache.destinations(ids.tolist()) if staged else ids)
     sync()
     return (time.perf_counter() - start) * 1e6
 
@@ -92,10 +110,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(
+    args: argparse.Namespace, caches: dict[str, BlockMajorCache]
+) -> list[dict[str, Any]]:
     device = args.device
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    caches = make_caches(device)
     row_bytes = caches[CASES[0]].layout.layer_block_nbytes
     generator = torch.Generator().manual_seed(0)
     results = []
@@ -112,7 +131,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for round_ in range(args.warmup + args.rounds):
             order = CASES if round_ % 2 == 0 else CASES[::-1]
             for case in order:
-                took = timed_scatter(caches[case], rows, ids, sync)
+                took = timed_scatter(caches[case], rows, ids, sync, case in STAGED)
                 if round_ >= args.warmup:
                     times[case].append(took)
         reference = caches["per layer, loop"]
@@ -147,7 +166,8 @@ def main() -> None:
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be at least 1 and --warmup at least 0")
     torch.set_num_threads(1)
-    results = run(args)
+    caches = make_caches(args.device)
+    results = run(args, caches)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         f"device {args.device} ({name}), torch {torch.__version__}, {NUM_LAYERS} layers, "
@@ -159,6 +179,12 @@ def main() -> None:
         print(
             f"| {r['case']} | {r['blocks']} | {r['payload_bytes'] // 1024} KiB | "
             f"{r['p50_us']:.0f} | {r['p95_us']:.0f} | {r['ratio_to_loop']:.2f} |"
+        )
+    graphs = caches["span, graph"].scatter_graphs
+    if graphs is not None:
+        print(
+            f"\nspan, graph: {graphs.captures} graphs captured, {graphs.replays} "
+            "replays" + (f"; disabled: {graphs.disabled}" if graphs.disabled else "")
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:

@@ -221,7 +221,12 @@ def _fence(device: torch.device) -> None:
 
 class BenchPeer(xo.StatelessActor):
     def __init__(
-        self, device: str, layout: str, allocation: str, torch_threads: int
+        self,
+        device: str,
+        layout: str,
+        allocation: str,
+        torch_threads: int,
+        scatter_graphs: bool,
     ) -> None:
         super().__init__()
         if torch_threads > 0:
@@ -236,7 +241,9 @@ class BenchPeer(xo.StatelessActor):
         tensors = engine_tensors(layout, device, allocation)
         self.engine = tensors
         self.cache = BlockMajorCache(
-            tensors, detect_layout(tensors, ENGINE_BLOCKS, layout)
+            tensors,
+            detect_layout(tensors, ENGINE_BLOCKS, layout),
+            scatter_graphs=scatter_graphs,
         )
         self.transports: dict[str, Any] = {}
         self._holder: Any = None
@@ -449,7 +456,20 @@ class BenchPeer(xo.StatelessActor):
         return self.rows.cpu().numpy().tobytes()
 
     def scatter_path(self) -> str:
-        return self.cache.scatter_path
+        graphs = self.cache.scatter_graphs
+        if graphs is None:
+            return self.cache.scatter_path
+        state = "off" if graphs.disabled else "on"
+        return f"{self.cache.scatter_path} (CUDA graphs {state})"
+
+    def graph_report(self) -> str:
+        graphs = self.cache.scatter_graphs
+        if graphs is None:
+            return "scatter graphs: none"
+        return (
+            f"scatter graphs: {graphs.captures} captured, {graphs.replays} replays"
+            + (f"; disabled: {graphs.disabled}" if graphs.disabled else "")
+        )
 
 
 def _locate(lease_id: str, keys: Any) -> list[int]:
@@ -587,6 +607,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     layout,
                     args.engine_allocation,
                     args.torch_threads,
+                    not args.no_scatter_graphs,
                     address=address,
                     uid=uid,
                 )
@@ -624,8 +645,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 print_row(result)
                 results.append(result)
         ucx = await loader.ucx_report()
-        print(f"\n{ucx}")
+        graphs = await loader.graph_report()
+        print(f"\n{ucx}\n{graphs}")
     return {
+        "scatter_graphs": graphs,
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "engine_layout": layout,
@@ -682,6 +705,11 @@ def main() -> None:
         "--breakdown",
         action="store_true",
         help="also time the steps of direct NIXL loads (plan, read, scatter, waits)",
+    )
+    parser.add_argument(
+        "--no-scatter-graphs",
+        action="store_true",
+        help="scatter every chunk eagerly (the baseline for the CUDA graph replays)",
     )
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()

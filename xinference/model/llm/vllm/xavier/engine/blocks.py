@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +24,31 @@ import torch
 from ..wire import KVGeometry
 from .device import PinnedIds, host_to_device
 from .layout import WIDE_DTYPES, KVLayout, dtype_name, wide_view, write_snapshot_rows
+from .scatter_graphs import ScatterGraphs
 
 
-@dataclass(frozen=True, slots=True)
 class BlockDestinations:
-    """A load's destination blocks, checked once (in range, no repeats) and on the
-    cache's device once (``BlockMajorCache.destinations``): a ``scatter_rows`` of
-    each chunk then neither checks nor copies them again."""
+    """A load's destination blocks, checked once (in range, no repeats) by
+    ``BlockMajorCache.destinations`` and put on the cache's device at most once,
+    when a chunk first needs them there (``index``): a ``scatter_rows`` of each
+    chunk then neither checks nor copies them again. A chunk replayed as a CUDA
+    graph takes its ids from ``ids`` and never needs ``index``."""
 
-    ids: tuple[int, ...]
-    index: torch.Tensor  # 1-D torch.long on the cache's device
+    __slots__ = ("ids", "_stage", "_index")
+
+    def __init__(
+        self, ids: tuple[int, ...], stage: Callable[[Sequence[int]], torch.Tensor]
+    ) -> None:
+        self.ids = ids
+        self._stage = stage
+        self._index: torch.Tensor | None = None
+
+    @property
+    def index(self) -> torch.Tensor:
+        """The ids as a 1-D ``torch.long`` tensor on the cache's device."""
+        if self._index is None:
+            self._index = self._stage(self.ids)
+        return self._index
 
 
 class BlockMajorCache:
@@ -45,7 +60,13 @@ class BlockMajorCache:
     is contiguous, including the non-contiguous per-layer views of ``kv_first``.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], layout: KVLayout) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        layout: KVLayout,
+        *,
+        scatter_graphs: bool = True,
+    ) -> None:
         if not tensors:
             raise ValueError("no KV cache tensors")
         self.layout = layout
@@ -95,6 +116,13 @@ class BlockMajorCache:
             None
             if self._stacked is not None
             else _PieceSpan.build(self._layers, layout.block_axis, self._element)
+        )
+        # On a GPU, a chunk's span scatter replayed as one CUDA graph (the ids copy,
+        # the row arithmetic and the copy in one launch) once its shape repeats.
+        self.scatter_graphs = (
+            ScatterGraphs(self._span.scatter, self.device)
+            if scatter_graphs and self._span is not None and self.device.type == "cuda"
+            else None
         )
 
     @property
@@ -197,17 +225,19 @@ class BlockMajorCache:
         self._layers[layer].index_copy_(axis, index, blocks)
 
     def destinations(self, block_ids: Sequence[int]) -> BlockDestinations:
-        """``block_ids`` checked (in range, no repeats) and queued for the device
-        once, for every ``scatter_rows`` of a load. On a GPU the ids go through a
-        pinned buffer with a copy that does not block (no stream synchronisation);
-        the scatters queued after it on the same stream see them."""
-        ids = [int(b) for b in block_ids]
+        """``block_ids`` checked (in range, no repeats) once, for every
+        ``scatter_rows`` of a load, and put on the device when a chunk first
+        needs them there. On a GPU the ids go through a pinned buffer with a copy
+        that does not block (no stream synchronisation); the scatters queued after
+        it on the same stream see them."""
+        ids = tuple(int(b) for b in block_ids)
         self._check_ids(ids, unique=True)
+        return BlockDestinations(ids, self._stage_ids)
+
+    def _stage_ids(self, ids: Sequence[int]) -> torch.Tensor:
         if self._pinned_ids is not None:
-            index = self._pinned_ids.to_device(ids)
-        else:
-            index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return BlockDestinations(tuple(ids), index)
+            return self._pinned_ids.to_device(ids)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def scatter_rows(
         self,
@@ -220,10 +250,12 @@ class BlockMajorCache:
         Global row ``r`` is layer ``r % num_layers`` of the ``r // num_layers``-th
         snapshot, whose engine block is ``destinations[r // num_layers]``; ``rows``
         ``(n, R)`` uint8 holds rows ``first_row .. first_row + n - 1`` (a transfer
-        chunk). ``BlockDestinations`` were checked and put on the device once per
-        load; a tensor of ids is checked and copied to the device per call (a
-        blocking copy on a GPU). A chunk of whole snapshots in stacked layers is
-        one copy, anything else one per layer.
+        chunk). ``BlockDestinations`` were checked once per load and reach the
+        device at most once; a tensor of ids is checked and copied to the device
+        per call (a blocking copy on a GPU). A chunk of whole snapshots is one
+        copy in stacked layers or over the piece span (on a GPU, with
+        ``BlockDestinations`` and rows already there, a CUDA graph replay once the
+        chunk's shape repeats), anything else one per layer.
         """
         num_layers, n = self.num_layers, rows.shape[0]
         if rows.dtype != torch.uint8 or rows.dim() != 2:
@@ -239,20 +271,25 @@ class BlockMajorCache:
         last_key = (first_row + n - 1) // num_layers
         if isinstance(destinations, BlockDestinations):
             count = len(destinations.ids)
-            index = destinations.index[first_key : last_key + 1]
         else:
             count = destinations.numel()
-            index = destinations[first_key : last_key + 1]
         if first_row < 0 or last_key >= count:
             raise ValueError(
                 f"rows {first_row}..{first_row + n - 1} need destinations for keys "
                 f"{first_key}..{last_key}, got {count} destinations"
             )
-        if not isinstance(destinations, BlockDestinations):
+        whole = first_row % num_layers == 0 and n % num_layers == 0
+        if isinstance(destinations, BlockDestinations):
+            if whole and self._replay(destinations.ids[first_key : last_key + 1], rows):
+                return
+            index = destinations.index[first_key : last_key + 1]
+        else:
             # One host-to-device copy of the ids per chunk.
-            index = self._check_index(index, unique=True)
+            index = self._check_index(
+                destinations[first_key : last_key + 1], unique=True
+            )
         rows = rows.to(self.device)
-        if first_row % num_layers == 0 and n % num_layers == 0:
+        if whole:
             self._scatter_snapshots(index, rows)
             return
         for layer in range(num_layers):
@@ -265,6 +302,16 @@ class BlockMajorCache:
             self._scatter_layer(
                 layer, index[key : key + count], rows[offset::num_layers]
             )
+
+    def _replay(self, ids: Sequence[int], rows: torch.Tensor) -> bool:
+        """Whole snapshots ``rows`` (already on the device) into blocks ``ids``
+        as a CUDA graph replay; False when the chunk must be scattered eagerly."""
+        graphs = self.scatter_graphs
+        return (
+            graphs is not None
+            and rows.device == self.device
+            and graphs.scatter(ids, rows)
+        )
 
     def _scatter_snapshots(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole snapshots ``(keys * L, R)`` into blocks ``index`` of every layer:
@@ -300,7 +347,7 @@ class BlockMajorCache:
         self._check_ids(block_ids.tolist(), unique)
         return host_to_device(block_ids, self.device)
 
-    def _check_ids(self, ids: list[int], unique: bool) -> None:
+    def _check_ids(self, ids: Sequence[int], unique: bool) -> None:
         """Every id in range; with ``unique``, none repeated (index_copy_ with
         repeated indices keeps an unspecified one of them)."""
         if ids:
