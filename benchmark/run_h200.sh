@@ -9,7 +9,11 @@
 #   transport  the transport benchmark on VRAM (xoscar slabs vs direct NIXL), once
 #              per engine allocation in ALLOCATIONS, with TRANSPORT_ARGS;
 #   tests      every CUDA-marked Xavier test (CUDA IPC mapping, NIXL VRAM loads,
-#              BF16 bit patterns, demotion and reload).
+#              BF16 bit patterns, demotion and reload, scatter graph replays);
+#   graphs     the per-layer scatter eagerly and as CUDA graph replays
+#              (XAVIER_SCATTER_GRAPHS): the scatter benchmark, then the per-layer
+#              transport benchmark (nixl-slab, nixl-read) without and with
+#              --scatter-graphs. Not in the default PHASES.
 # Every phase runs with UCX_PROTO_INFO=y; *-protocols.txt sums up which protocol
 # and transport UCX chose for each VRAM operation (cuda_ipc, or a TCP fallback).
 set -uo pipefail
@@ -55,6 +59,19 @@ if [[ $phases == *transport* ]]; then
   protocols "$OUT/transport-all.txt" "$OUT/transport-protocols.txt"
   rm "$OUT/transport-all.txt"
 fi
+if [[ $phases == *graphs* ]]; then
+  timeout "${SCATTER_TIMEOUT:-120}" python3 benchmark/scatter_benchmark.py \
+    --device cuda --json "$OUT/scatter.json" > "$OUT/scatter.log" 2>&1
+  echo "scatter benchmark rc=$?" >> "$OUT/env.txt"
+  for graphs in "" --scatter-graphs; do
+    name=per-layer${graphs:+-graphs}
+    timeout "${BENCH_TIMEOUT:-180}" python3 benchmark/transport_benchmark.py \
+      --device cuda --loads "${LOADS:-200}" --engine-allocation per-layer \
+      --cases nixl-slab,nixl-read --breakdown $graphs \
+      --json "$OUT/transport-$name.json" > "$OUT/transport-$name.log" 2>&1
+    echo "transport benchmark ($name) rc=$?" >> "$OUT/env.txt"
+  done
+fi
 xavier=tests/model/llm/vllm/xavier
 if [[ $phases == *tests* ]]; then
   UCX_PROTO_INFO=y timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m cuda -q -s -rA \
@@ -67,7 +84,9 @@ if [[ $phases == *tests* ]]; then
 fi
 cat "$OUT/env.txt" "$OUT"/*-protocols.txt "$OUT/cuda-tests-summary.txt" 2>/dev/null
 grep "^|" "$OUT/floor.log" 2>/dev/null
-grep -h -E "^\||peer check|^UCX|^device " "$OUT"/transport-*.log 2>/dev/null
+grep -E "^\||graphs" "$OUT/scatter.log" 2>/dev/null
+grep -h -E "^\||peer check|^UCX|^device |^scatter graphs" "$OUT"/transport-*.log \
+  2>/dev/null
 # PACK=1: everything in one archive (a device call brings back at most 8 files).
 if [[ -n ${PACK:-} ]]; then
   tar czf /tmp/h200-run.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* \

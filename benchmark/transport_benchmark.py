@@ -607,7 +607,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     layout,
                     args.engine_allocation,
                     args.torch_threads,
-                    not args.no_scatter_graphs,
+                    args.scatter_graphs,
                     address=address,
                     uid=uid,
                 )
@@ -707,9 +707,10 @@ def main() -> None:
         help="also time the steps of direct NIXL loads (plan, read, scatter, waits)",
     )
     parser.add_argument(
-        "--no-scatter-graphs",
+        "--scatter-graphs",
         action="store_true",
-        help="scatter every chunk eagerly (the baseline for the CUDA graph replays)",
+        help="replay repeated chunk scatters as CUDA graphs (XAVIER_SCATTER_GRAPHS=1 "
+        "in serving; off: every chunk scatters eagerly, the default)",
     )
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()

@@ -13,7 +13,11 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
     PACKED_KV_NHD_LAYOUT,
     detect_layout,
 )
-from xinference.model.llm.vllm.xavier.engine.scatter_graphs import ScatterGraphs
+from xinference.model.llm.vllm.xavier.engine.scatter_graphs import (
+    GRAPHS_ENV,
+    ScatterGraphs,
+    graphs_requested,
+)
 
 from .._support import CUDA_SKIP
 from .test_blocks import NB, expected_after_scatter, layer_tensor, long
@@ -27,11 +31,24 @@ def test_graphs_need_a_cuda_device() -> None:
     with pytest.raises(ValueError, match="CUDA device"):
         ScatterGraphs(lambda index, rows: None, torch.device("cpu"))
     layers = [layer_tensor(KV_FIRST_LAYOUT) for _ in range(NUM_LAYERS)]
-    cache = BlockMajorCache(layers, detect_layout(layers, NB, KV_FIRST_LAYOUT))
-    assert cache.scatter_graphs is None  # a CPU cache scatters eagerly
+    layout = detect_layout(layers, NB, KV_FIRST_LAYOUT)
+    # a CPU cache scatters eagerly, even when asked for graphs
+    assert BlockMajorCache(layers, layout, scatter_graphs=True).scatter_graphs is None
 
 
-def span_cache(layout: str, **kwargs) -> BlockMajorCache:
+def test_graphs_are_opt_in_through_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    assert not graphs_requested()
+    monkeypatch.setenv(GRAPHS_ENV, "1")
+    assert graphs_requested()
+    monkeypatch.setenv(GRAPHS_ENV, "0")
+    assert not graphs_requested()
+    monkeypatch.setenv(GRAPHS_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        graphs_requested()
+
+
+def span_cache(layout: str, scatter_graphs: bool = True) -> BlockMajorCache:
     """Separate per-layer CUDA tensors, as vLLM allocates them on a GPU, each
     filled with a distinct pattern."""
     layers = [layer_tensor(layout).cuda() for _ in range(NUM_LAYERS)]
@@ -41,7 +58,9 @@ def span_cache(layout: str, **kwargs) -> BlockMajorCache:
             .view(layer.shape)
             .cuda()
         )
-    cache = BlockMajorCache(layers, detect_layout(layers, NB, layout), **kwargs)
+    cache = BlockMajorCache(
+        layers, detect_layout(layers, NB, layout), scatter_graphs=scatter_graphs
+    )
     if cache.scatter_path != "span":
         pytest.skip("the allocator's addresses do not allow a piece span here")
     return cache

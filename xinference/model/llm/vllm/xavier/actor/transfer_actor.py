@@ -38,6 +38,7 @@ from ..engine.device import (
     release_memory,
 )
 from ..engine.layout import detect_layout
+from ..engine.scatter_graphs import graphs_requested
 from ..hashing import BlockHash
 from ..stats import ActorCounters, EngineInfo, LatencyRecorder, XavierStats
 from ..store.tiered import TieredKVSnapshotStore
@@ -204,7 +205,7 @@ class XavierTransferActor(xo.StatelessActor):
                 f"the engine KV caches hold blocks of {layout.block_size} tokens in "
                 f"layout {layout.name!r}, the engine says {block_size}"
             )
-        cache = BlockMajorCache(tensors, layout)
+        cache = BlockMajorCache(tensors, layout, scatter_graphs=graphs_requested())
         identity = ReplicaIdentity(model, cache.geometry, layout.name)
         ring = None if staging_ring is None else _import_ring(staging_ring, cache)
         store = TieredKVSnapshotStore(
@@ -262,7 +263,8 @@ class XavierTransferActor(xo.StatelessActor):
             len(tensors),
             cache.device,
             layout,
-            cache.scatter_path,
+            cache.scatter_path
+            + (" replayed as CUDA graphs" if cache.scatter_graphs is not None else ""),
             store.stats(),
         )
         return identity

@@ -65,7 +65,7 @@ class BlockMajorCache:
         tensors: Sequence[torch.Tensor],
         layout: KVLayout,
         *,
-        scatter_graphs: bool = True,
+        scatter_graphs: bool = False,
     ) -> None:
         if not tensors:
             raise ValueError("no KV cache tensors")
@@ -117,8 +117,9 @@ class BlockMajorCache:
             if self._stacked is not None
             else _PieceSpan.build(self._layers, layout.block_axis, self._element)
         )
-        # On a GPU, a chunk's span scatter replayed as one CUDA graph (the ids copy,
-        # the row arithmetic and the copy in one launch) once its shape repeats.
+        # With ``scatter_graphs``, on a GPU: a chunk's span scatter replayed as one
+        # CUDA graph (the ids copy, the row arithmetic and the copy in one launch)
+        # once its shape repeats.
         self.scatter_graphs = (
             ScatterGraphs(self._span.scatter, self.device)
             if scatter_graphs and self._span is not None and self.device.type == "cuda"

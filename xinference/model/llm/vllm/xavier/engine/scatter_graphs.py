@@ -14,11 +14,15 @@ buffers as long as this object; the source rows are part of the shape key, so a
 chunk from another buffer gets its own graph. A shape is captured the second time
 it is seen: the first chunk runs eagerly, which also loads the kernels that the
 capture needs, and one-off shapes never pay a capture.
+
+Off unless ``XAVIER_SCATTER_GRAPHS=1``: written and tested without a GPU at hand,
+it stays opt-in until its CUDA tests and the scatter benchmark have run on one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +32,19 @@ import torch
 from .device import DeviceWorkMark
 
 logger = logging.getLogger(__name__)
+
+# "1": transfer actors replay repeated scatters as CUDA graphs; "0" (the default):
+# every chunk scatters eagerly.
+GRAPHS_ENV = "XAVIER_SCATTER_GRAPHS"
+
+
+def graphs_requested() -> bool:
+    """Whether ``XAVIER_SCATTER_GRAPHS`` asks for scatter graphs."""
+    text = os.environ.get(GRAPHS_ENV, "0").strip()
+    if text not in ("0", "1"):
+        raise ValueError(f"{GRAPHS_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
+
 
 # What a graph captures: scatter(index on the device, source rows).
 ScatterKernel = Callable[[torch.Tensor, torch.Tensor], None]
