@@ -47,6 +47,7 @@ class Holder:
     def __init__(self) -> None:
         self.keys: set[BlockHash] = set()
         self.mode = "grant"  # grant | refuse | fail | hang
+        self.delay_s = 0.0  # how long it takes to answer
         self.reserved: list[tuple[str, list[BlockHash]]] = []
         self.released: list[str] = []
 
@@ -61,6 +62,7 @@ class Holder:
             raise ValueError("model differs: 'other' here, 'test-model' on the peer")
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        await asyncio.sleep(self.delay_s)
         granted: list[BlockHash] = []
         if self.mode == "grant":
             for key in keys:
@@ -99,7 +101,12 @@ def make_side(
     rpc_timeout_s: float = 2.0,
     query_prefix: Any = None,
     mirror: TrackerMirror | None = None,
+    reply_wait_s: float = 5.0,
 ) -> SchedulerSide:
+    """A loader's scheduler half. ``reply_wait_s`` defaults past every deadline
+    here, so that a lookup answers at once as it did before answers could be
+    deferred; the tests of deferred answers set it short."""
+
     async def ask_tracker(rank: int, keys: list[BlockHash]) -> PrefixHit | None:
         return tracker.query_prefix(rank, keys)
 
@@ -111,6 +118,7 @@ def make_side(
             load_async=load_async,
             rpc_timeout_s=rpc_timeout_s,
             backoff_s=60.0,
+            reply_wait_s=reply_wait_s,
         ),
         loop,
         query_prefix or ask_tracker,
@@ -244,6 +252,99 @@ def test_hanging_holder_costs_one_deadline(loop, tracker):
     assert side.stats["misses_peer_error"] == 1
     side.flush(2)
     assert holder.released == [holder.reserved[0][0]]  # in case it granted late
+
+
+def test_a_slow_holder_is_answered_on_a_later_pass(loop, tracker):
+    """Past ``reply_wait_s`` vLLM is told to ask again; a second request to the
+    same holder while the first is unanswered does not wait at all; once the
+    holder answers, the next ask of each request is its hit."""
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.delay_s = 0.5
+    side = make_side(loop, tracker, holder, reply_wait_s=0.1)
+    started = time.monotonic()
+    assert side.num_new_matched_tokens("r", prompt, 0) == (None, False)
+    assert 0.1 <= time.monotonic() - started < 0.1 + MARGIN_S / 2
+    started = time.monotonic()
+    assert side.num_new_matched_tokens("s", prompt, 0) == (None, False)
+    assert time.monotonic() - started < 0.1  # the holder is known slow: no wait
+    assert side.num_new_matched_tokens("r", prompt, 0) == (None, False)
+    assert side.stats["deferred"] == 2
+    deadline = time.monotonic() + 0.5 + MARGIN_S
+    for request in ("r", "s"):
+        while side.num_new_matched_tokens(request, prompt, 0) == (None, False):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert side.num_new_matched_tokens(request, prompt, 0) == (8, False)
+    assert len(holder.reserved) == 2 and side.stats["hits"] == 2
+    # The holder answered: the next request waits for it again, and gets its hit
+    # in the same call.
+    holder.delay_s = 0.0
+    assert side.num_new_matched_tokens("t", prompt, 0) == (8, False)
+    assert side.stats["deferred"] == 2
+
+
+def test_a_holder_that_never_answers_is_a_miss_at_the_deadline(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.mode = "hang"
+    side = make_side(loop, tracker, holder, rpc_timeout_s=0.3, reply_wait_s=0.02)
+    started = time.monotonic()
+    answers = []
+    while (answer := side.num_new_matched_tokens("r", prompt, 0)) == (None, False):
+        answers.append(answer)
+        time.sleep(0.02)
+    assert answer == (0, False)
+    assert 0.3 <= time.monotonic() - started < 0.3 + MARGIN_S
+    assert len(answers) >= 2 and side.stats["misses_peer_error"] == 1
+    # backed off: another request is a miss at once, and nothing more is asked
+    assert side.num_new_matched_tokens("s", prompt, 0) == (0, False)
+    assert len(holder.reserved) == 1
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]  # in case it granted late
+
+
+@pytest.mark.parametrize("answered_first", [False, True])
+def test_a_reservation_given_up_while_unanswered_is_released_once(
+    loop, tracker, answered_first
+):
+    """The request goes away before vLLM asks again: the lease the holder grants
+    is released exactly once, by the loop when the answer comes later, by the
+    scheduler when it had come already."""
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.delay_s = 0.2
+    side = make_side(loop, tracker, holder, reply_wait_s=0.01)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (None, False)
+    if answered_first:
+        time.sleep(0.2 + MARGIN_S)
+    assert side.request_finished("r") is None
+    time.sleep(0.2 + MARGIN_S)
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+    assert side.stats["hits"] == 0
+
+
+def test_a_longer_local_prefix_replaces_an_unanswered_reservation(loop, tracker):
+    holder = Holder()
+    prompt = list(range(9))
+    keys = publish(tracker, holder, prompt)
+    holder.delay_s = 0.4
+    side = make_side(loop, tracker, holder, reply_wait_s=0.1)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (None, False)
+    # vLLM found the first block locally meanwhile: the second block only. The
+    # holder has not answered the first yet, so the scheduler does not wait.
+    started = time.monotonic()
+    assert side.num_new_matched_tokens("r", prompt, 4) == (None, False)
+    assert time.monotonic() - started < 0.1
+    time.sleep(0.4 + MARGIN_S)
+    assert side.num_new_matched_tokens("r", prompt, 4) == (4, False)
+    assert [k for _, k in holder.reserved] == [keys[:2], keys[1:2]]
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
 
 
 def test_hanging_tracker_costs_one_deadline(loop, tracker):

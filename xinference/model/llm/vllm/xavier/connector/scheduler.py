@@ -10,7 +10,9 @@ Per request it
 2. looks up the longest prefix another replica holds, beyond the blocks vLLM
    already has locally, in its mirror of the tracker's index (the tracker itself
    while the mirror is not ready), and reserves leases on the holder's snapshots:
-   no round trip for a prompt nobody holds, one for a hit;
+   no round trip for a prompt nobody holds, one for a hit. A holder slower than a
+   few milliseconds does not hold the scheduler up: vLLM is told to ask again, and
+   the answer is taken on a later pass;
 3. after vLLM allocated destination blocks, turns the reservation into a load;
 4. each step, names the blocks that became full, to stage and publish them: prompt
    blocks, blocks of generated tokens (a later turn of the conversation, on another
@@ -18,7 +20,9 @@ Per request it
 5. releases a reservation that never became a load when the request goes away.
 
 A failed, refused or late answer from a peer is a miss: the engine computes the
-blocks itself. Nothing here may stall the scheduler beyond one RPC deadline.
+blocks itself. A holder costs the scheduler at most ``reply_wait_s`` per request
+(nothing while an earlier request's reservation from it is still unanswered); the
+tracker, asked only while the mirror is not ready, at most one RPC deadline.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ..aio import BackgroundLoop, with_deadline
 from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, LoadRequest, PrefixHit, ReplicaIdentity, StageItem
+from .pending import PendingReservation
 from .step import RequestLoad, ScheduledRequest, StageAfterLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
@@ -42,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 # An incompatible holder stays incompatible until redeployed: ask again rarely.
 INCOMPATIBLE_BACKOFF_S = 600.0
+# A reservation still unanswered this long past its deadline means the background
+# loop itself is stuck (the deadline is enforced there): given up as a failure.
+STUCK_LOOP_SLACK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,11 @@ class SchedulerSettings:
     rpc_timeout_s: float
     # A holder (or the tracker) that failed is not asked again for this long.
     backoff_s: float = 30.0
+    # How long the scheduler thread waits for a holder to grant a reservation
+    # before it tells vLLM to ask again on a later pass. A holder answers within a
+    # millisecond or two (then the load is planned in this very pass); a stopped
+    # one must not hold up every other request of the replica.
+    reply_wait_s: float = 0.005
 
 
 @dataclass(slots=True)
@@ -76,6 +89,8 @@ class _RequestState:
     keys: list[BlockHash]
     staged_upto: int = 0  # blocks [0, staged_upto) need no staging here
     reservation: _Reservation | None = None
+    # asked of a holder, not answered yet (vLLM was told to ask again)
+    pending: PendingReservation | None = None
     holder_rank: int | None = None
     loaded_into: tuple[int, ...] = ()  # the engine blocks its load writes
     # The load planned for the request, started or not: its first block position
@@ -145,12 +160,16 @@ class SchedulerSide:
         self._backoff = _Backoff()
         self._lease_seq = itertools.count()
         self._releases: list[concurrent.futures.Future[None]] = []
+        # holder address -> a reservation it left unanswered past reply_wait_s:
+        # while that one is still unanswered, later ones do not wait for it
+        self._unanswered: dict[str, PendingReservation] = {}
         # counters for logs and tests
         self.stats: dict[str, int] = {
             "lookups": 0,
             "mirror_lookups": 0,
             "hits": 0,
             "hit_blocks": 0,
+            "deferred": 0,  # lookups answered "ask again": the holder was slow
             "misses_refused": 0,
             "misses_peer_error": 0,
             "misses_incompatible": 0,
@@ -177,7 +196,7 @@ class SchedulerSide:
         num_computed_tokens: int,
         allow_remote: bool = True,
         all_token_ids: Sequence[int] | None = None,
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens a peer can supply beyond ``num_computed_tokens``, and whether async.
 
         ``all_token_ids`` is the request's live token sequence (the prompt, then
@@ -191,7 +210,9 @@ class SchedulerSide:
         cached prefixes) only records the prompt, so its blocks are still staged.
         A request gets at most one load: once one was planned, whatever became of
         it, later questions are answered with 0 (vLLM asks again after a failed
-        load; a fault that repeats must not make it retry forever).
+        load; a fault that repeats must not make it retry forever). ``(None,
+        False)`` means a holder was asked and has not answered within
+        ``reply_wait_s``: vLLM skips the request for this pass and asks again.
         """
         state = self._state_for(req_id, prompt_token_ids, all_token_ids)
         block_size = self._settings.block_size
@@ -213,39 +234,109 @@ class SchedulerSide:
             if standing.first_block == local_blocks:
                 return self._answer(standing)
             self._drop_reservation(state)
+        pending = state.pending
+        if pending is not None:
+            if pending.first_block == local_blocks:
+                return self._settle(state, pending)
+            self._drop_reservation(state)
 
         self.stats["lookups"] += 1
-        reservation = self._lookup_and_reserve(
+        pending = self._start_reservation(
             req_id, state.keys[:lookup_blocks], local_blocks
         )
-        if reservation is None:
+        if pending is None:
             return 0, False
-        state.reservation = reservation
-        return self._answer(reservation)
+        state.pending = pending
+        answer = self._settle(state, pending)
+        if answer[0] is None:
+            self.stats["deferred"] += 1
+        return answer
 
     def _answer(self, reservation: _Reservation) -> tuple[int, bool]:
         tokens = len(reservation.grant.keys) * self._settings.block_size
         return tokens, self._settings.load_async
 
-    def _lookup_and_reserve(
+    def _start_reservation(
         self, req_id: str, keys: list[BlockHash], local_blocks: int
-    ) -> _Reservation | None:
+    ) -> PendingReservation | None:
+        """Ask the holder of the longest prefix for a lease on the blocks beyond
+        ``local_blocks``, waiting at most ``reply_wait_s`` for its answer; None
+        when nobody holds more (or the holder is backed off from)."""
         settings = self._settings
         hit = self._find_holder(keys)
         if hit is None or hit.num_blocks <= local_blocks:
             return None
         if self._backoff.blocked(hit.address):
             return None
-
         assert self._identity is not None
-        lease_id = f"xavier-{settings.rank}-{req_id}-{next(self._lease_seq)}"
-        wanted = keys[local_blocks : hit.num_blocks]
+        pending = PendingReservation(
+            hit,
+            f"xavier-{settings.rank}-{req_id}-{next(self._lease_seq)}",
+            keys[local_blocks : hit.num_blocks],
+            local_blocks,
+        )
+        future = pending.future = self._loop.submit(
+            self._reserve_in_loop(pending, self._identity)
+        )
+        slow = self._unanswered.get(hit.address)
+        if slow is not None and slow.done():
+            del self._unanswered[hit.address]
+            slow = None
+        if slow is None:  # an earlier request found it slow: do not wait again
+            concurrent.futures.wait([future], settings.reply_wait_s)
+            if not future.done():
+                self._unanswered[hit.address] = pending
+        return pending
+
+    async def _reserve_in_loop(
+        self, pending: PendingReservation, identity: ReplicaIdentity
+    ) -> LeaseGrant:
+        """The reservation's call on the background loop; it releases the lease
+        itself when the scheduler gave the reservation up before the answer."""
+        hit, lease_id = pending.hit, pending.lease_id
         try:
-            grant = self._loop.run(
-                self._reserve(hit, wanted, lease_id, self._identity),
-                settings.rpc_timeout_s,
+            grant = await with_deadline(
+                self._reserve(hit, pending.wanted, lease_id, identity),
+                self._settings.rpc_timeout_s,
             )
-        except ValueError as exc:
+        except TimeoutError:
+            # The holder may grant after we stopped waiting: let go of it.
+            if not pending.answered():
+                await self._release_within_deadline(hit, lease_id)
+            raise
+        except BaseException:
+            pending.answered()  # nothing granted, nothing to release
+            raise
+        if not pending.answered():
+            await self._release_within_deadline(hit, lease_id)
+        return grant
+
+    def _settle(
+        self, state: _RequestState, pending: PendingReservation
+    ) -> tuple[int | None, bool]:
+        """What to tell vLLM about ``pending``: ask again while it is unanswered,
+        else the hit it became (standing in ``state.reservation``) or a miss."""
+        future = pending.future
+        assert future is not None
+        if not future.done():
+            waited = time.monotonic() - pending.started
+            if waited <= self._settings.rpc_timeout_s + STUCK_LOOP_SLACK_S:
+                return None, False
+            self._drop_reservation(state)
+            self._peer_failed(
+                pending.hit.address,
+                f"replica {pending.hit.rank}",
+                TimeoutError("the connector's background loop did not finish the call"),
+            )
+            return 0, False
+        state.pending = None
+        hit = pending.hit
+        error = (
+            future.exception()
+            if not future.cancelled()
+            else RuntimeError("the reservation was cancelled")
+        )
+        if isinstance(error, ValueError):
             # The holder compared identities and refuses (another model, dtype,
             # layout, block size or protocol): a deployment error, never a reason to
             # load wrong KV. Computing locally is correct; say so loudly, once.
@@ -255,29 +346,38 @@ class SchedulerSide:
                 "Xavier: replica %d cannot share KV with replica %d: %s; computing "
                 "locally and not asking it again for %.0f s",
                 hit.rank,
-                settings.rank,
-                exc,
+                self._settings.rank,
+                error,
                 INCOMPATIBLE_BACKOFF_S,
             )
-            return None
-        except Exception as exc:  # a holder that fails to answer is a miss
-            self._peer_failed(hit.address, f"replica {hit.rank}", exc)
-            if isinstance(exc, TimeoutError):
+            return 0, False
+        if error is not None:  # a holder that fails to answer is a miss
+            self._peer_failed(hit.address, f"replica {hit.rank}", error)
+            if isinstance(error, TimeoutError):
                 # The holder may have granted after we stopped waiting: let go.
-                self._release_soon(hit, lease_id)
-            return None
+                self._release_soon(hit, pending.lease_id)
+            return 0, False
+        reservation = self._accept(pending, future.result())
+        if reservation is None:
+            return 0, False
+        state.reservation = reservation
+        return self._answer(reservation)
+
+    def _accept(
+        self, pending: PendingReservation, grant: LeaseGrant
+    ) -> _Reservation | None:
         # The holder grants the longest leading run it still has; anything else
         # (an evicted snapshot, a refusal) shortens or empties the grant.
-        usable = _leading_match(grant.keys, wanted)
+        usable = _leading_match(grant.keys, pending.wanted)
         if usable == 0:
             self.stats["misses_refused"] += 1
-            self._release_soon(hit, lease_id)
+            self._release_soon(pending.hit, pending.lease_id)
             return None
         if usable < len(grant.keys):
             grant = grant.truncated(usable)
         self.stats["hits"] += 1
         self.stats["hit_blocks"] += usable
-        return _Reservation(grant, hit, local_blocks)
+        return _Reservation(grant, pending.hit, pending.first_block)
 
     def _find_holder(self, keys: list[BlockHash]) -> PrefixHit | None:
         mirror = self._mirror
@@ -562,33 +662,57 @@ class SchedulerSide:
         return state
 
     def _drop_reservation(self, state: _RequestState) -> None:
+        """Let go of the request's reservation, standing or still unanswered."""
         reservation, state.reservation = state.reservation, None
         if reservation is not None:
             self._release_soon(reservation.holder, reservation.grant.lease_id)
+        pending, state.pending = state.pending, None
+        if (
+            pending is not None
+            and pending.abandon()  # answered already: the lease is ours to release
+            and _may_hold_lease(pending)
+        ):
+            self._release_soon(pending.hit, pending.lease_id)
 
     def _release_soon(self, holder: PrefixHit, lease_id: str) -> None:
         """Release a lease without waiting: the scheduler must not stall on it."""
-
-        async def release() -> None:
-            try:
-                await with_deadline(
-                    self._release(holder, lease_id), self._settings.rpc_timeout_s
-                )
-            except Exception as exc:  # the holder's lease expires with it
-                logger.warning(
-                    "Xavier: releasing lease %s on %s failed: %s",
-                    lease_id,
-                    holder.address,
-                    exc,
-                )
-
         self._releases = [f for f in self._releases if not f.done()]
-        self._releases.append(self._loop.submit(release()))
+        self._releases.append(
+            self._loop.submit(self._release_within_deadline(holder, lease_id))
+        )
+
+    async def _release_within_deadline(self, holder: PrefixHit, lease_id: str) -> None:
+        try:
+            await with_deadline(
+                self._release(holder, lease_id), self._settings.rpc_timeout_s
+            )
+        except Exception as exc:  # the holder's lease expires with it
+            logger.warning(
+                "Xavier: releasing lease %s on %s failed: %s",
+                lease_id,
+                holder.address,
+                exc,
+            )
 
     def flush(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) for the releases sent so far to finish."""
         pending, self._releases = self._releases, []
         concurrent.futures.wait(pending, timeout)
+
+
+def _may_hold_lease(pending: PendingReservation) -> bool:
+    """Whether an answered reservation may have left a lease on its holder: a
+    grant, a deadline after which it may still have granted, or an answer not
+    handed over yet. A refusal or a failed call left none."""
+    future = pending.future
+    if future is None:
+        return False
+    if not future.done():
+        return True
+    if future.cancelled():
+        return False
+    error = future.exception()
+    return error is None or isinstance(error, TimeoutError)
 
 
 def _leading_match(granted: Sequence[BlockHash], wanted: Sequence[BlockHash]) -> int:
