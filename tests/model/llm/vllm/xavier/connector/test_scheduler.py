@@ -306,6 +306,31 @@ def test_a_holder_that_never_answers_is_a_miss_at_the_deadline(loop, tracker):
     assert holder.released == [holder.reserved[0][0]]  # in case it granted late
 
 
+def test_unanswered_reservations_end_when_their_holder_is_given_up(loop, tracker):
+    """The first reservation's deadline backs off from the holder: a later one,
+    still unanswered, is a miss at its next ask, not at its own deadline; both
+    leases are released (in case the holder granted late)."""
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.mode = "hang"
+    side = make_side(loop, tracker, holder, rpc_timeout_s=0.5, reply_wait_s=0.02)
+    started = time.monotonic()
+    assert side.num_new_matched_tokens("r", prompt, 0) == (None, False)
+    time.sleep(0.25)
+    assert side.num_new_matched_tokens("s", prompt, 0) == (None, False)
+    while (answer := side.num_new_matched_tokens("r", prompt, 0)) == (None, False):
+        time.sleep(0.01)
+    assert answer == (0, False)
+    assert side.num_new_matched_tokens("s", prompt, 0) == (0, False)
+    assert time.monotonic() - started < 0.5 + 0.25  # before s's own deadline
+    assert side.stats["misses_peer_error"] == 2
+    time.sleep(0.25 + MARGIN_S)  # s's call reaches its deadline in the loop
+    side.flush(2)
+    assert sorted(holder.released) == sorted(lease for lease, _ in holder.reserved)
+    assert len(holder.reserved) == 2
+
+
 @pytest.mark.parametrize("answered_first", [False, True])
 def test_a_reservation_given_up_while_unanswered_is_released_once(
     loop, tracker, answered_first

@@ -319,6 +319,12 @@ class SchedulerSide:
         future = pending.future
         assert future is not None
         if not future.done():
+            if self._backoff.blocked(pending.hit.address):
+                # Another reservation from this holder failed meanwhile: a miss
+                # now, rather than at this one's own deadline.
+                self._drop_reservation(state)
+                self.stats["misses_peer_error"] += 1
+                return 0, False
             waited = time.monotonic() - pending.started
             if waited <= self._settings.rpc_timeout_s + STUCK_LOOP_SLACK_S:
                 return None, False
