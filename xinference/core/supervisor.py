@@ -31,7 +31,7 @@ import xoscar as xo
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
 from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
 from .heartbeat import HeartbeatSettings, WorkerLiveness, watch_workers
-from .liveness import LivenessMonitor
+from .liveness import PROBE_TIMEOUT_S, LivenessMonitor
 from .messages import (
     DeploymentInfo,
     LaunchProgress,
@@ -53,6 +53,10 @@ LOAD_TIMEOUT_S = 900.0
 POOL_START_TIMEOUT_S = 120.0
 RPC_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 120.0
+# ``collect_stats`` (``/stats``, ``/metrics``): a replica that does not answer in a
+# health probe's time is left out, so that it neither holds up nor fails the
+# figures of the others (a scraper gives up after 10 s by default).
+STATS_TIMEOUT_S = PROBE_TIMEOUT_S
 XAVIER_READY_TIMEOUT_S = 120.0
 TRACKER_FORGET_TIMEOUT_S = 5.0
 PROGRESS_LOG_INTERVAL_S = 10.0
@@ -554,13 +558,31 @@ class SupervisorActor(xo.StatelessActor):
         )
 
     async def collect_stats(self, model_uid: str) -> list[ReplicaStats]:
+        """The counters of each serving replica that answers within
+        ``STATS_TIMEOUT_S``; one that does not is left out and logged (the
+        liveness monitor decides whether it is unresponsive)."""
         record = self._record(model_uid)
         if record.state != "ready":
             return []
-        return await _all(
-            _deadline(record.models[rank].stats(), RPC_TIMEOUT_S)
-            for rank in _serving(record)
+        ranks = _serving(record)
+        outcomes = await asyncio.gather(
+            *(
+                _deadline(record.models[rank].stats(), STATS_TIMEOUT_S)
+                for rank in ranks
+            ),
+            return_exceptions=True,
         )
+        answered = []
+        for rank, outcome in zip(ranks, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                logger.warning(
+                    "%s replica %d: no stats (%r); left out", model_uid, rank, outcome
+                )
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                answered.append(outcome)
+        return answered
 
     # ---- terminate ----------------------------------------------------------------
 
@@ -723,7 +745,10 @@ def _one_namespace(replicas: Any) -> str | None:
 
 
 async def _deadline(call: Awaitable[T], seconds: float) -> T:
-    return await asyncio.wait_for(call, seconds)
+    # xo.wait_for: asyncio.wait_for waits for the cancelled call to end, which a
+    # stopped process never lets an actor call do
+    result: T = await xo.wait_for(call, seconds)
+    return result
 
 
 async def _all(calls: Any) -> list[Any]:
