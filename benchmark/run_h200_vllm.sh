@@ -107,8 +107,11 @@ deploy() {  # deploy LABEL PHASES [launch options...]
   timeout "$left" python3 benchmark/serving_benchmark.py run --endpoint "$EP" \
     --model "$label" --label "$label" --phases "$phases" --json "$LOGS/$label.json" \
     --lengths $TTFT_LENGTHS $WORKLOAD_ARGS --terminate 2>&1 | tee -a "$LOGS/summary.txt"
-  # Terminated by the benchmark; if it failed first, terminate here (prints counters).
-  xi 60 terminate --model-uid "$label" >> "$LOGS/summary.txt" 2>&1 || true
+  # The benchmark terminates the model; if it failed first, terminate here (prints
+  # counters).
+  if (( PIPESTATUS[0] != 0 )); then
+    xi 60 terminate --model-uid "$label" >> "$LOGS/summary.txt" 2>&1 || true
+  fi
 }
 
 profile_engines() {  # profile_engines LABEL: py-spy every engine core, in the background
