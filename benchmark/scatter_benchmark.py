@@ -182,10 +182,7 @@ def main() -> None:
         )
     graphs = caches["span, graph"].scatter_graphs
     if graphs is not None:
-        print(
-            f"\nspan, graph: {graphs.captures} graphs captured, {graphs.replays} "
-            "replays" + (f"; disabled: {graphs.disabled}" if graphs.disabled else "")
-        )
+        print(f"\nspan, graph: {graphs.summary()}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(results, out, indent=2)

@@ -466,10 +466,7 @@ class BenchPeer(xo.StatelessActor):
         graphs = self.cache.scatter_graphs
         if graphs is None:
             return "scatter graphs: none"
-        return (
-            f"scatter graphs: {graphs.captures} captured, {graphs.replays} replays"
-            + (f"; disabled: {graphs.disabled}" if graphs.disabled else "")
-        )
+        return f"scatter graphs: {graphs.summary()}"
 
 
 def _locate(lease_id: str, keys: Any) -> list[int]:

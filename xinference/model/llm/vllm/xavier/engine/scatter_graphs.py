@@ -112,6 +112,11 @@ class ScatterGraphs:
         """Why chunks no longer replay (a capture failed), or None."""
         return self._disabled
 
+    def summary(self) -> str:
+        """Captures and replays so far, for logs and benchmark reports."""
+        text = f"{self.captures} graphs captured, {self.replays} replays"
+        return text if self._disabled is None else f"{text}; off: {self._disabled}"
+
     def scatter(self, ids: Sequence[int], rows: torch.Tensor) -> bool:
         """Queue ``kernel`` over ``ids`` and ``rows`` (on the device) as a replay
         on the current stream; False when the caller must run it eagerly: the
