@@ -540,8 +540,7 @@ def test_tracker_failure_is_a_miss(loop, tracker):
     async def broken(rank: int, keys: list[BlockHash]) -> PrefixHit | None:
         raise ConnectionError("tracker unreachable")
 
-    side = make_side(loop, tracker, holder)
-    side._query_prefix = broken
+    side = make_side(loop, tracker, holder, query_prefix=broken)
     assert side.num_new_matched_tokens("r", list(range(9)), 0) == (0, False)
     assert side.stats["misses_peer_error"] == 1
 

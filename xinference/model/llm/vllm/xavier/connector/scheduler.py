@@ -12,7 +12,7 @@ Per request it
    while the mirror is not ready), and reserves leases on the holder's snapshots:
    no round trip for a prompt nobody holds, one for a hit. A holder slower than a
    few milliseconds does not hold the scheduler up: vLLM is told to ask again, and
-   the answer is taken on a later pass;
+   the answer is taken on a later pass (the calls to peers: ``reservations.py``);
 3. after vLLM allocated destination blocks, turns the reservation into a load;
 4. each step, names the blocks that became full, to stage and publish them: prompt
    blocks, blocks of generated tokens (a later turn of the conversation, on another
@@ -27,29 +27,26 @@ tracker, asked only while the mirror is not ready, at most one RPC deadline.
 
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..aio import BackgroundLoop, with_deadline
+from ..aio import BackgroundLoop
 from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
 from ..tracker_mirror import TrackerMirror
-from ..wire import LeaseGrant, LoadRequest, PrefixHit, ReplicaIdentity, StageItem
-from .pending import PendingReservation
+from ..wire import LoadRequest, PrefixHit, ReplicaIdentity, StageItem
+from .reservations import (
+    PendingReservation,
+    QueryPrefix,
+    Release,
+    Reservation,
+    Reservations,
+    Reserve,
+)
 from .step import RequestLoad, ScheduledRequest, StageAfterLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
-
-
-# An incompatible holder stays incompatible until redeployed: ask again rarely.
-INCOMPATIBLE_BACKOFF_S = 600.0
-# A reservation still unanswered this long past its deadline means the background
-# loop itself is stuck (the deadline is enforced there): given up as a failure.
-STUCK_LOOP_SLACK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +68,6 @@ class SchedulerSettings:
 
 
 @dataclass(slots=True)
-class _Reservation:
-    grant: LeaseGrant
-    holder: PrefixHit  # who granted it (rank and transfer actor address)
-    first_block: int  # prompt block index of grant.keys[0]
-
-
-@dataclass(slots=True)
 class _RequestState:
     # The request's tokens, prompt first: a read-only view that vLLM extends with
     # each generated token (or a copy of the prompt when none was handed over).
@@ -88,7 +78,7 @@ class _RequestState:
     # tokens of block i and everything before it.
     keys: list[BlockHash]
     staged_upto: int = 0  # blocks [0, staged_upto) need no staging here
-    reservation: _Reservation | None = None
+    reservation: Reservation | None = None
     # asked of a holder, not answered yet (vLLM was told to ask again)
     pending: PendingReservation | None = None
     holder_rank: int | None = None
@@ -106,34 +96,6 @@ class _RequestState:
     load_attempted: bool = False
 
 
-# Remote calls the scheduler half makes; injectable so tests can run it against
-# real actors in a pool or against failing peers.
-QueryPrefix = Callable[[int, list[BlockHash]], Awaitable[PrefixHit | None]]
-# reserve(holder, keys, lease_id, requester) and release(holder, lease_id)
-Reserve = Callable[
-    [PrefixHit, list[BlockHash], str, ReplicaIdentity], Awaitable[LeaseGrant]
-]
-Release = Callable[[PrefixHit, str], Awaitable[None]]
-
-
-@dataclass(slots=True)
-class _Backoff:
-    # peer key ("tracker" or a holder address) -> monotonic time it may be asked again
-    until: dict[str, float] = field(default_factory=dict)
-
-    def blocked(self, peer: str) -> bool:
-        deadline = self.until.get(peer)
-        if deadline is None:
-            return False
-        if time.monotonic() >= deadline:
-            del self.until[peer]
-            return False
-        return True
-
-    def block(self, peer: str, seconds: float) -> None:
-        self.until[peer] = time.monotonic() + seconds
-
-
 class SchedulerSide:
     """Per-engine scheduler state of the Xavier connector (single-threaded use)."""
 
@@ -147,22 +109,11 @@ class SchedulerSide:
         mirror: TrackerMirror | None = None,
     ) -> None:
         self._settings = settings
-        self._mirror = mirror
-        self._loop = loop
-        self._query_prefix = query_prefix
-        self._reserve = reserve
-        self._release = release
         self._identity: ReplicaIdentity | None = None
         # req_id -> per-request state, from the first lookup to request_finished
         self._requests: dict[str, _RequestState] = {}
         # loads decided since the last step was built
         self._new_loads: list[RequestLoad] = []
-        self._backoff = _Backoff()
-        self._lease_seq = itertools.count()
-        self._releases: list[concurrent.futures.Future[None]] = []
-        # holder address -> a reservation it left unanswered past reply_wait_s:
-        # while that one is still unanswered, later ones do not wait for it
-        self._unanswered: dict[str, PendingReservation] = {}
         # counters for logs and tests
         self.stats: dict[str, int] = {
             "lookups": 0,
@@ -176,6 +127,18 @@ class SchedulerSide:
             "loads_failed": 0,
             "staged_blocks": 0,
         }
+        self._reservations = Reservations(
+            rank=settings.rank,
+            rpc_timeout_s=settings.rpc_timeout_s,
+            backoff_s=settings.backoff_s,
+            reply_wait_s=settings.reply_wait_s,
+            loop=loop,
+            query_prefix=query_prefix,
+            reserve=reserve,
+            release=release,
+            mirror=mirror,
+            stats=self.stats,
+        )
 
     @property
     def identity(self) -> ReplicaIdentity | None:
@@ -241,8 +204,8 @@ class SchedulerSide:
             self._drop_reservation(state)
 
         self.stats["lookups"] += 1
-        pending = self._start_reservation(
-            req_id, state.keys[:lookup_blocks], local_blocks
+        pending = self._reservations.start(
+            req_id, state.keys[:lookup_blocks], local_blocks, self._identity
         )
         if pending is None:
             return 0, False
@@ -252,166 +215,23 @@ class SchedulerSide:
             self.stats["deferred"] += 1
         return answer
 
-    def _answer(self, reservation: _Reservation) -> tuple[int, bool]:
+    def _answer(self, reservation: Reservation) -> tuple[int, bool]:
         tokens = len(reservation.grant.keys) * self._settings.block_size
         return tokens, self._settings.load_async
-
-    def _start_reservation(
-        self, req_id: str, keys: list[BlockHash], local_blocks: int
-    ) -> PendingReservation | None:
-        """Ask the holder of the longest prefix for a lease on the blocks beyond
-        ``local_blocks``, waiting at most ``reply_wait_s`` for its answer; None
-        when nobody holds more (or the holder is backed off from)."""
-        settings = self._settings
-        hit = self._find_holder(keys)
-        if hit is None or hit.num_blocks <= local_blocks:
-            return None
-        if self._backoff.blocked(hit.address):
-            return None
-        assert self._identity is not None
-        pending = PendingReservation(
-            hit,
-            f"xavier-{settings.rank}-{req_id}-{next(self._lease_seq)}",
-            keys[local_blocks : hit.num_blocks],
-            local_blocks,
-        )
-        future = pending.future = self._loop.submit(
-            self._reserve_in_loop(pending, self._identity)
-        )
-        slow = self._unanswered.get(hit.address)
-        if slow is not None and slow.done():
-            del self._unanswered[hit.address]
-            slow = None
-        if slow is None:  # an earlier request found it slow: do not wait again
-            concurrent.futures.wait([future], settings.reply_wait_s)
-            if not future.done():
-                self._unanswered[hit.address] = pending
-        return pending
-
-    async def _reserve_in_loop(
-        self, pending: PendingReservation, identity: ReplicaIdentity
-    ) -> LeaseGrant:
-        """The reservation's call on the background loop; it releases the lease
-        itself when the scheduler gave the reservation up before the answer."""
-        hit, lease_id = pending.hit, pending.lease_id
-        try:
-            grant = await with_deadline(
-                self._reserve(hit, pending.wanted, lease_id, identity),
-                self._settings.rpc_timeout_s,
-            )
-        except TimeoutError:
-            # The holder may grant after we stopped waiting: let go of it.
-            if not pending.answered():
-                await self._release_within_deadline(hit, lease_id)
-            raise
-        except BaseException:
-            pending.answered()  # nothing granted, nothing to release
-            raise
-        if not pending.answered():
-            await self._release_within_deadline(hit, lease_id)
-        return grant
 
     def _settle(
         self, state: _RequestState, pending: PendingReservation
     ) -> tuple[int | None, bool]:
         """What to tell vLLM about ``pending``: ask again while it is unanswered,
         else the hit it became (standing in ``state.reservation``) or a miss."""
-        future = pending.future
-        assert future is not None
-        if not future.done():
-            if self._backoff.blocked(pending.hit.address):
-                # Another reservation from this holder failed meanwhile: a miss
-                # now, rather than at this one's own deadline.
-                self._drop_reservation(state)
-                self.stats["misses_peer_error"] += 1
-                return 0, False
-            waited = time.monotonic() - pending.started
-            if waited <= self._settings.rpc_timeout_s + STUCK_LOOP_SLACK_S:
-                return None, False
-            self._drop_reservation(state)
-            self._peer_failed(
-                pending.hit.address,
-                f"replica {pending.hit.rank}",
-                TimeoutError("the connector's background loop did not finish the call"),
-            )
-            return 0, False
+        if not self._reservations.ready(pending):
+            return None, False
         state.pending = None
-        hit = pending.hit
-        error = (
-            future.exception()
-            if not future.cancelled()
-            else RuntimeError("the reservation was cancelled")
-        )
-        if isinstance(error, ValueError):
-            # The holder compared identities and refuses (another model, dtype,
-            # layout, block size or protocol): a deployment error, never a reason to
-            # load wrong KV. Computing locally is correct; say so loudly, once.
-            self.stats["misses_incompatible"] += 1
-            self._backoff.block(hit.address, INCOMPATIBLE_BACKOFF_S)
-            logger.error(
-                "Xavier: replica %d cannot share KV with replica %d: %s; computing "
-                "locally and not asking it again for %.0f s",
-                hit.rank,
-                self._settings.rank,
-                error,
-                INCOMPATIBLE_BACKOFF_S,
-            )
-            return 0, False
-        if error is not None:  # a holder that fails to answer is a miss
-            self._peer_failed(hit.address, f"replica {hit.rank}", error)
-            if isinstance(error, TimeoutError):
-                # The holder may have granted after we stopped waiting: let go.
-                self._release_soon(hit, pending.lease_id)
-            return 0, False
-        reservation = self._accept(pending, future.result())
+        reservation = self._reservations.take(pending)
         if reservation is None:
             return 0, False
         state.reservation = reservation
         return self._answer(reservation)
-
-    def _accept(
-        self, pending: PendingReservation, grant: LeaseGrant
-    ) -> _Reservation | None:
-        # The holder grants the longest leading run it still has; anything else
-        # (an evicted snapshot, a refusal) shortens or empties the grant.
-        usable = _leading_match(grant.keys, pending.wanted)
-        if usable == 0:
-            self.stats["misses_refused"] += 1
-            self._release_soon(pending.hit, pending.lease_id)
-            return None
-        if usable < len(grant.keys):
-            grant = grant.truncated(usable)
-        self.stats["hits"] += 1
-        self.stats["hit_blocks"] += usable
-        return _Reservation(grant, pending.hit, pending.first_block)
-
-    def _find_holder(self, keys: list[BlockHash]) -> PrefixHit | None:
-        mirror = self._mirror
-        if mirror is not None and mirror.ready:
-            self.stats["mirror_lookups"] += 1
-            return mirror.query(self._settings.rank, keys)
-        if self._backoff.blocked("tracker"):
-            return None
-        try:
-            return self._loop.run(
-                self._query_prefix(self._settings.rank, keys),
-                self._settings.rpc_timeout_s,
-            )
-        except Exception as exc:  # any tracker failure is a miss, logged once
-            self._peer_failed("tracker", "the block tracker", exc)
-            return None
-
-    def _peer_failed(self, peer: str, what: str, exc: BaseException) -> None:
-        self.stats["misses_peer_error"] += 1
-        self._backoff.block(peer, self._settings.backoff_s)
-        logger.warning(
-            "Xavier: %s did not answer (%s: %s); computing locally and not asking "
-            "it again for %.0f s",
-            what,
-            type(exc).__name__,
-            exc,
-            self._settings.backoff_s,
-        )
 
     # ---- allocation -> load -----------------------------------------------------
 
@@ -460,7 +280,7 @@ class SchedulerSide:
                 req_id,
                 destinations,
             )
-            self._release_soon(reservation.holder, grant.lease_id)
+            self._reservations.release_soon(reservation.holder, grant.lease_id)
             failed = tuple(b for b in destinations if b is not None)
             self._new_loads.append(RequestLoad(req_id, None, failed))
             return
@@ -534,7 +354,7 @@ class SchedulerSide:
             if item.load is None:
                 failed.append(item)
                 continue
-            self._release_soon(
+            self._reservations.release_soon(
                 PrefixHit(item.load.grant.holder_rank, item.load.holder_address, 0),
                 item.load.grant.lease_id,
             )
@@ -671,60 +491,13 @@ class SchedulerSide:
         """Let go of the request's reservation, standing or still unanswered."""
         reservation, state.reservation = state.reservation, None
         if reservation is not None:
-            self._release_soon(reservation.holder, reservation.grant.lease_id)
+            self._reservations.release_soon(
+                reservation.holder, reservation.grant.lease_id
+            )
         pending, state.pending = state.pending, None
-        if (
-            pending is not None
-            and pending.abandon()  # answered already: the lease is ours to release
-            and _may_hold_lease(pending)
-        ):
-            self._release_soon(pending.hit, pending.lease_id)
-
-    def _release_soon(self, holder: PrefixHit, lease_id: str) -> None:
-        """Release a lease without waiting: the scheduler must not stall on it."""
-        self._releases = [f for f in self._releases if not f.done()]
-        self._releases.append(
-            self._loop.submit(self._release_within_deadline(holder, lease_id))
-        )
-
-    async def _release_within_deadline(self, holder: PrefixHit, lease_id: str) -> None:
-        try:
-            await with_deadline(
-                self._release(holder, lease_id), self._settings.rpc_timeout_s
-            )
-        except Exception as exc:  # the holder's lease expires with it
-            logger.warning(
-                "Xavier: releasing lease %s on %s failed: %s",
-                lease_id,
-                holder.address,
-                exc,
-            )
+        if pending is not None:
+            self._reservations.abandon(pending)
 
     def flush(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) for the releases sent so far to finish."""
-        pending, self._releases = self._releases, []
-        concurrent.futures.wait(pending, timeout)
-
-
-def _may_hold_lease(pending: PendingReservation) -> bool:
-    """Whether an answered reservation may have left a lease on its holder: a
-    grant, a deadline after which it may still have granted, or an answer not
-    handed over yet. A refusal or a failed call left none."""
-    future = pending.future
-    if future is None:
-        return False
-    if not future.done():
-        return True
-    if future.cancelled():
-        return False
-    error = future.exception()
-    return error is None or isinstance(error, TimeoutError)
-
-
-def _leading_match(granted: Sequence[BlockHash], wanted: Sequence[BlockHash]) -> int:
-    count = 0
-    for got, want in zip(granted, wanted, strict=False):
-        if got != want:
-            break
-        count += 1
-    return count
+        self._reservations.flush(timeout)
