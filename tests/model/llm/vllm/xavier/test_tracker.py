@@ -3,6 +3,7 @@
 import pytest
 
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
+from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
 from xinference.model.llm.vllm.xavier.wire import PrefixHit
 
 KEYS = hash_full_blocks(list(range(16 * 6)), 16, "tracker-test")
@@ -46,6 +47,26 @@ async def test_forget_replica(tracker):
     assert 0 not in await tracker.replicas()
     # unregistering on behalf of a forgotten replica is harmless
     await tracker.unregister_blocks(0, KEYS)
+
+
+async def test_a_forgotten_replica_is_in_no_snapshot(tracker):
+    """A mirror that starts (or resets) after a replica went away gets the whole
+    index: the gone replica's keys must not be in it, or they would come back
+    without an address and hide the other holders of the same prefix."""
+    await tracker.register_blocks(1, KEYS)
+    await tracker.register_blocks(2, KEYS[:3])
+    await tracker.forget_replica(1)
+    assert await tracker.num_blocks(1) == 0
+    snapshot = await tracker.mirror_changes(0, -1, 0.0)
+    assert snapshot.reset
+    assert {change.rank for change in snapshot.changes if change.keys} == {2}
+    mirror = TrackerMirror(tracker.mirror_changes, rpc_timeout_s=1)
+    mirror.apply(snapshot)
+    assert mirror.query(0, KEYS) == PrefixHit(2, "nixl://c", 3)
+    # and a replica that restarted starts with nothing in the snapshots either
+    await tracker.register_replica(2, "nixl://c2")
+    snapshot = await tracker.mirror_changes(0, -1, 0.0)
+    assert all(not change.keys for change in snapshot.changes)
 
 
 async def test_register_again_replaces_the_old_incarnation(tracker):

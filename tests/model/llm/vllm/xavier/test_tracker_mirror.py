@@ -114,6 +114,28 @@ async def test_a_mirror_too_far_behind_gets_the_whole_index(monkeypatch):
     assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
 
 
+async def test_a_reset_drops_whatever_the_mirror_held_before(monkeypatch):
+    """The whole index replaces the mirror's: a holder that dropped its blocks
+    while the mirror was too far behind must not stay in it for good."""
+    monkeypatch.setattr(tracker_module, "CHANGE_LOG_KEYS", 4)
+    tracker = fresh_tracker()
+    mirror = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(0, since, wait), rpc_timeout_s=1
+    )
+    mirror.apply(await poll(tracker, 0, -1))
+    tracker.register_blocks(1, KEYS[:4])
+    mirror.apply(await poll(tracker, 0, mirror.version))
+    assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
+    behind = mirror.version
+    tracker.unregister_blocks(1, KEYS[:4])
+    tracker.register_blocks(2, OTHER)  # the log now starts after `behind`
+    changes = await poll(tracker, 0, behind)
+    assert changes.reset
+    mirror.apply(changes)
+    assert mirror.query(0, KEYS) is None
+    assert mirror.query(0, OTHER) == PrefixHit(2, "nixl://c", len(OTHER))
+
+
 async def test_a_poll_gets_exactly_the_changes_after_its_version():
     """Served from the newest end of a long log: the answer holds every change
     after ``since``, in order, and none before it."""
@@ -200,13 +222,17 @@ async def test_a_mirror_that_loses_the_tracker_is_not_ready_until_it_is_back(
     mirror = TrackerMirror(fetch, rpc_timeout_s=1, wait_s=0.1, retry_s=0.01)
     task = asyncio.create_task(mirror.run())
     try:
-        await wait_until(lambda: mirror.ready, 5)
+        await tracker.register_blocks(2, OTHER)
+        await wait_until(lambda: mirror.ready and mirror.query(0, OTHER), 5)
         outage.set()
         await wait_until(lambda: not mirror.ready, 2)
         await tracker.register_blocks(1, KEYS[:2])
+        await tracker.unregister_blocks(2, OTHER)  # while the mirror cannot see
         outage.clear()
         await wait_until(lambda: mirror.ready and mirror.query(0, KEYS), 5)
         assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 2)
+        # what it held before the outage and the tracker dropped meanwhile is gone
+        assert mirror.query(0, OTHER) is None
         assert mirror.failures >= 1
     finally:
         task.cancel()

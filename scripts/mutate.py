@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Plant known bugs one at a time and check that the tests of their area fail.
+
+Each mutation below removes or inverts one deadline, lease, retry, fallback or
+reset: an exact source fragment and what replaces it, and the tests meant to catch
+it. For each one, a scratch copy of the tree (never the working tree: a crash or a
+Ctrl-C must not leave a bug behind) gets that one edit, runs those tests under a
+timeout, and gets its file back before the next one. The selections are first run
+once without any edit: a selection that fails on its own catches nothing.
+
+    python scripts/mutate.py                 # every mutation (~10 min on 2 cores)
+    python scripts/mutate.py --group issue27 # one group
+    python scripts/mutate.py --only mirror_reset_keeps_entries --only ...
+    python scripts/mutate.py --list
+
+A tool to run by hand, not part of CI. "survived" means no selected test failed
+with the bug in: either a test is missing or the mutated code is redundant (say
+which in benchmark/results/reliability.md). A selection that runs past the timeout
+with the bug in counts as caught, flagged "(timeout)": a hang is a failure too,
+but a slower one than a test should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# What a test run needs from the tree.
+COPIED = ("xinference", "tests", "setup.cfg", "pyproject.toml")
+
+X = "xinference/model/llm/vllm/xavier"
+T = "tests/model/llm/vllm/xavier"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: paths or node ids
+    k: str | None = None  # pytest -k expression
+    group: str = "misc"
+    note: str = ""  # why it is expected to survive, if it is
+
+    def pytest_args(self) -> list[str]:
+        args = list(self.tests)
+        if self.k:
+            args += ["-k", self.k]
+        return args
+
+
+@dataclass
+class Outcome:
+    mutation: Mutation
+    result: str  # caught | caught (timeout) | survived | not applied | error ...
+    caught_by: str = ""
+    seconds: float = 0.0
+    detail: str = field(default="", repr=False)
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # ---- deadlines and cancellation (was scripts/mutate_deadlines.sh) ------------
+    Mutation(
+        "with_deadline_awaits",
+        f"{X}/aio.py",
+        "result: T = await xo.wait_for(awaitable, timeout)",
+        "result: T = await awaitable",
+        (
+            f"{T}/connector/test_scheduler.py",
+            f"{T}/connector/test_worker_mapping.py",
+            f"{T}/test_stalled_peers.py::"
+            "test_a_load_from_a_stopped_holder_fails_in_time_and_frees_all"
+            "[xoscar-push]",
+        ),
+        k="hanging or deadline or mapping or xoscar",
+        group="deadlines",
+    ),
+    Mutation(
+        "actor_deadline_awaits",
+        f"{X}/actor/transfer_actor.py",
+        "return await xo.wait_for(call, self._config.rpc_timeout_s)",
+        "return await call",
+        (f"{T}/test_stalled_peers.py",),
+        k="staging",
+        group="deadlines",
+    ),
+    Mutation(
+        "serve_push_no_timeout",
+        f"{X}/transports/xoscar/gpu_transfer.py",
+        "await xo.wait_for(\n"
+        "                    xo.copy_to([view], [req.dest]), timeout=self.copy_timeout_s\n"
+        "                )",
+        "await xo.copy_to([view], [req.dest])",
+        (f"{T}/test_stalled_peers.py",),
+        k="push_into",
+        group="deadlines",
+    ),
+    Mutation(
+        "cpu_read_no_timeout",
+        f"{X}/transports/cpu_tier.py",
+        "reply = await xo.wait_for(holder_ref.read_cpu_rows(lease_id, batch), "
+        "timeout_s)",
+        "reply = await holder_ref.read_cpu_rows(lease_id, batch)",
+        (f"{T}/test_stalled_peers.py",),
+        k="cpu-tier",
+        group="deadlines",
+    ),
+    Mutation(
+        "nixl_read_no_deadline",
+        f"{X}/transports/nixl/reads.py",
+        "started + timeout_s)",
+        "started + 1e9)",
+        (f"{T}/test_stalled_peers.py",),
+        k="nixl-read",
+        group="deadlines",
+    ),
+    Mutation(
+        "release_no_deadline",
+        f"{X}/actor/loads.py",
+        "await with_deadline(holder.release(req.grant.lease_id), rpc_timeout_s)",
+        "await holder.release(req.grant.lease_id)",
+        (f"{T}/test_stalled_peers.py",),
+        k="cpu-tier",
+        group="deadlines",
+    ),
+    Mutation(
+        "finish_even_if_cancelled_abandons",
+        f"{X}/aio.py",
+        "    task = asyncio.ensure_future(work)\n    cancelled = False",
+        "    return await work\n    task = asyncio.ensure_future(work)\n"
+        "    cancelled = False",
+        (f"{T}/actor/test_parts.py",),
+        k="in_flight",
+        group="deadlines",
+    ),
+    Mutation(
+        "chunk_row_index_layers_reversed",
+        f"{X}/transports/xoscar/gpu_transfer.py",
+        "return bases[rows // num_layers] + rows % num_layers",
+        "return bases[rows // num_layers] + (num_layers - 1 - rows % num_layers)",
+        (f"{T}/transports/test_contract.py",),
+        k="every_bf16_bit_pattern",
+        group="deadlines",
+    ),
+    Mutation(
+        "xoscar_transport_deadline_only",
+        f"{X}/transports/xoscar/transport.py",
+        'await with_deadline(holder("push_rows", req), self._context.rpc_timeout_s)',
+        'await holder("push_rows", req)',
+        (f"{T}/test_stalled_peers.py",),
+        k="xoscar",
+        group="deadlines",
+        note="redundant with LoadRunner._holder_call's deadline: expected to survive",
+    ),
+    # ---- issue 27: the eight that survived every test of their area --------------
+    Mutation(
+        "mirror_reset_keeps_entries",
+        f"{X}/tracker_mirror.py",
+        "            if changes.reset:\n                self._index.clear()\n",
+        "",
+        (f"{T}/test_tracker_mirror.py",),
+        group="issue27",
+    ),
+    Mutation(
+        "forget_keeps_key_set",
+        f"{X}/prefix_index.py",
+        "for key in self._blocks_of.pop(rank, ()):",
+        "for key in self._blocks_of.get(rank, ()):",
+        (f"{T}/test_tracker.py", f"{T}/test_tracker_mirror.py"),
+        group="issue27",
+    ),
+    Mutation(
+        "late_reservation_not_released_when_given_up",
+        f"{X}/connector/reservations.py",
+        "return error is None or isinstance(error, TimeoutError)",
+        "return error is None",
+        (f"{T}/connector/test_scheduler.py",),
+        group="issue27",
+    ),
+    Mutation(
+        "timed_out_ring_slots_reused",
+        f"{X}/connector/worker.py",
+        "                self._ring.retire(staging.slots)\n",
+        "                self._ring.give_back(staging.slots)\n",
+        (f"{T}/connector/test_worker.py",),
+        k="ring",
+        group="issue27",
+    ),
+    Mutation(
+        "raising_fallback_escapes",
+        f"{X}/connector/faults.py",
+        "        try:\n            fallback(*args)\n        except Exception as exc:",
+        "        try:\n            fallback(*args)\n        except ZeroDivisionError as exc:",
+        (f"{T}/connector/test_vllm_facade.py", f"{T}/connector/test_faults.py"),
+        group="issue27",
+    ),
+    Mutation(
+        "raising_report_escapes",
+        f"{X}/connector/faults.py",
+        "            except Exception as report_exc:",
+        "            except ZeroDivisionError as report_exc:",
+        (f"{T}/connector/test_vllm_facade.py", f"{T}/connector/test_faults.py"),
+        group="issue27",
+    ),
+    Mutation(
+        "stream_resent_after_output",
+        "xinference/core/dispatch.py",
+        "retry = None if produced else await self._reroute(failed, route)",
+        "retry = await self._reroute(failed, route)",
+        ("tests/core/test_dispatch.py",),
+        group="issue27",
+    ),
+    Mutation(
+        "new_dispatcher_ignores_gone",
+        "xinference/core/dispatch.py",
+        "self.gone: dict[int, str] = dict(deployment.gone)",
+        "self.gone: dict[int, str] = {}",
+        ("tests/core/test_dispatch.py",),
+        group="issue27",
+    ),
+    Mutation(
+        "stall_threshold_four_times_late",
+        "xinference/core/heartbeat.py",
+        "if late > settings.timeout_s / 2:",
+        "if late > settings.timeout_s * 2:",
+        ("tests/core/test_heartbeat.py",),
+        group="issue27",
+    ),
+    Mutation(
+        "stall_threshold_four_times_early",
+        "xinference/core/heartbeat.py",
+        "if late > settings.timeout_s / 2:",
+        "if late > settings.timeout_s / 8:",
+        ("tests/core/test_heartbeat.py",),
+        group="issue27",
+    ),
+)
+
+
+# ---- machinery ------------------------------------------------------------------
+
+
+def copy_tree(source: Path, dest: Path) -> None:
+    """The parts of the repository a test run needs, without caches."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for name in COPIED:
+        path = source / name
+        if path.is_dir():
+            shutil.copytree(path, dest / name, ignore=ignore)
+        elif path.exists():
+            shutil.copy2(path, dest / name)
+
+
+@contextlib.contextmanager
+def planted(tree: Path, mutation: Mutation) -> Iterator[None]:
+    """``mutation`` applied to ``tree`` (a scratch copy) for the duration; the file's
+    original bytes are back afterwards, whatever happened inside. Raises
+    ``ValueError`` when the fragment is not in the file exactly once (the code it
+    names has changed: the table needs updating)."""
+    path = tree / mutation.file
+    original = path.read_bytes()
+    text = original.decode()
+    found = text.count(mutation.old)
+    if found != 1:
+        raise ValueError(
+            f"{mutation.name}: the fragment occurs {found} times in {mutation.file}"
+        )
+    path.write_text(text.replace(mutation.old, mutation.new))
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
+
+
+def run_tests(
+    tree: Path, args: Sequence[str], timeout_s: float, python: str
+) -> tuple[int | None, str]:
+    """(pytest's exit status or None on timeout, its output)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    command = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rf"]
+    # Its own process group: on a timeout the pools it started go with it.
+    child = subprocess.Popen(
+        [*command, *args],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
+        return None, output
+    return child.returncode, output
+
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+def first_failure(output: str) -> str:
+    match = _FAILED.search(output)
+    return match.group(1).split("::", 1)[-1] if match else ""
+
+
+def judge(mutation: Mutation, status: int | None, output: str) -> Outcome:
+    if status is None:
+        return Outcome(mutation, "caught (timeout)", detail=output)
+    if status == 0:
+        return Outcome(mutation, "survived", detail=output)
+    if status == 1:
+        return Outcome(mutation, "caught", first_failure(output), detail=output)
+    if status == 5:
+        return Outcome(mutation, "error: no test selected", detail=output)
+    return Outcome(mutation, f"error: pytest exit {status}", detail=output)
+
+
+def check(
+    tree: Path, mutations: Sequence[Mutation], timeout_s: float, python: str
+) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    baseline: dict[tuple[str, ...], str] = {}
+    for mutation in mutations:
+        key = tuple(mutation.pytest_args())
+        if key not in baseline:
+            status, output = run_tests(tree, key, timeout_s, python)
+            baseline[key] = "" if status == 0 else first_failure(output) or "fails"
+            if status != 0:
+                print(output[-3000:], file=sys.stderr)
+        started = time.monotonic()
+        if baseline[key]:
+            outcome = Outcome(mutation, "baseline fails", baseline[key])
+        else:
+            try:
+                with planted(tree, mutation):
+                    status, output = run_tests(tree, key, timeout_s, python)
+            except ValueError as exc:
+                outcome = Outcome(mutation, "not applied", str(exc))
+            else:
+                outcome = judge(mutation, status, output)
+        outcome.seconds = time.monotonic() - started
+        outcomes.append(outcome)
+        print(f"  {mutation.name}: {outcome.result} {outcome.caught_by}", flush=True)
+    return outcomes
+
+
+def table(outcomes: Sequence[Outcome]) -> str:
+    rows = [("mutation", "file", "result", "caught by", "s")]
+    for o in outcomes:
+        file = o.mutation.file.removeprefix(X + "/")
+        by = o.caught_by or o.mutation.note
+        rows.append((o.mutation.name, file, o.result, by, f"{o.seconds:.0f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |"
+        for row in rows
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    caught = sum(o.result.startswith("caught") for o in outcomes)
+    lines.append(f"\n{caught} of {len(outcomes)} caught")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], metavar="NAME")
+    parser.add_argument("--group", action="append", default=[])
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="S")
+    parser.add_argument("--python", default=os.environ.get("PYTHON", sys.executable))
+    options = parser.parse_args(argv)
+    chosen = [
+        m
+        for m in MUTATIONS
+        if (not options.only or m.name in options.only)
+        and (not options.group or m.group in options.group)
+    ]
+    unknown = set(options.only) - {m.name for m in MUTATIONS}
+    if unknown or not chosen:
+        parser.error(f"no such mutation: {', '.join(sorted(unknown)) or '(none left)'}")
+    if options.list:
+        for m in chosen:
+            print(f"{m.group:10} {m.name:45} {m.file}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="xavier-mutate-") as scratch:
+        tree = Path(scratch)
+        copy_tree(ROOT, tree)
+        outcomes = check(tree, chosen, options.timeout, options.python)
+    print(table(outcomes))
+    expected_survivors = {o.mutation.name for o in outcomes if o.mutation.note}
+    bad = [
+        o
+        for o in outcomes
+        if not o.result.startswith("caught")
+        and o.mutation.name not in expected_survivors
+    ]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
