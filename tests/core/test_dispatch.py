@@ -6,6 +6,7 @@ the keys are hashed the way the connector registers them.
 """
 
 import asyncio
+import dataclasses
 
 import pytest
 import xoscar as xo
@@ -15,6 +16,7 @@ from xinference.core.messages import (
     DeploymentInfo,
     GenerationChunk,
     GenerationRequest,
+    ReplicaFailed,
     ReplicaInfo,
     ReplicaStates,
     StreamBatch,
@@ -59,6 +61,22 @@ class ScriptedReplica(xo.StatelessActor):
 
     async def closed_streams(self):
         return list(self.closed)
+
+    async def opened_streams(self):
+        return list(self._streams)
+
+
+class DyingMidStream(ScriptedReplica):
+    """Sends one chunk of a stream, then its engine dies."""
+
+    async def next_chunks(self, request_id, max_wait_s):
+        if self._streams[request_id]:
+            return StreamBatch(chunks=(self._streams[request_id].pop(0),), done=False)
+        raise ReplicaFailed(self.rank, "its vLLM engine core died")
+
+    async def open_stream(self, request):
+        await super().open_stream(request)
+        self._streams[request.request_id] = self._streams[request.request_id][:1]
 
 
 @pytest.fixture
@@ -212,6 +230,26 @@ async def test_a_request_whose_replica_vanished_is_served_by_another(pool):
     assert seen == [("r1-0", 1), ("r1-1", 1), ("r1-2", 1)]
 
 
+async def test_a_stream_that_failed_after_output_went_out_is_not_sent_again(pool):
+    """The client has the first chunk already: starting over on another replica
+    would send it a second answer glued to the first. The failure reaches the
+    client instead, and the other replica never sees the request."""
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter())
+    dispatcher._replicas[0] = await xo.create_actor(
+        DyingMidStream, 0, address=pool.external_address, uid="dying"
+    )
+    route = await dispatcher.route([1, 2, 3])
+    assert route.rank == 0
+    seen = []
+    with pytest.raises(ReplicaFailed, match="engine core died"):
+        async for chunk, rank in dispatcher.stream_served(route, request([1, 2, 3])):
+            seen.append((chunk.text, rank))
+    assert seen == [("r0-0", 0)]
+    assert await replicas[1].opened_streams() == []
+    assert (dispatcher.replica_failures, dispatcher.retries) == (0, 0)
+    assert dispatcher.in_flight == (0, 0)
+
+
 async def test_a_vanished_replica_with_no_other_is_a_clear_failure(pool):
     dispatcher, _, replicas = await make(pool, RoundRobinRouter(), num_replicas=1)
     await xo.destroy_actor(replicas[0])
@@ -233,6 +271,21 @@ async def test_gone_replicas_are_not_routed_to_not_even_as_prefix_holders(pool):
     assert dispatcher.live_ranks() == [0, 2]
     ranks = {(await dispatcher.route(prompt)).rank for _ in range(6)}
     assert ranks <= {0, 2} and ranks
+
+
+async def test_a_new_dispatcher_starts_with_the_deployments_gone_replicas(pool):
+    """A front end that connects after a replica was declared gone learns it from
+    the deployment it is built from, not from the next state update (up to a
+    second later in production): no request goes there meanwhile."""
+    dispatcher, _, replicas = await make(pool, RoundRobinRouter(), 3)
+    deployment = dataclasses.replace(
+        dispatcher.deployment, gone={1: "its vLLM engine core died"}
+    )
+    fresh = ReplicaDispatcher(
+        deployment, dispatcher.renderer, replicas, None, RoundRobinRouter()
+    )
+    assert fresh.live_ranks() == [0, 2]
+    assert {(await fresh.route([1, 2])).rank for _ in range(6)} == {0, 2}
 
 
 async def test_round_robin_cycles_over_the_survivors(pool):

@@ -82,6 +82,39 @@ async def test_a_stalled_supervisor_loop_does_not_declare_workers_gone():
     assert gone == [] and liveness.knows("w:1")
 
 
+@pytest.mark.parametrize(
+    "late_by, declared_gone",
+    [(0.49, True), (0.51, False)],
+    ids=["just-below-half-the-timeout", "just-above-half-the-timeout"],
+)
+async def test_the_stall_threshold_is_half_the_timeout(late_by, declared_gone):
+    """A check that runs late by more than half the timeout is the supervisor's own
+    stall (the workers' clocks restart); one late by less is not, and a worker
+    silent past the timeout is declared gone by it. Tested on both sides of the
+    threshold: a threshold off by a factor of two or more either way fails one."""
+    settings = HeartbeatSettings(0.05, 1.0)
+    liveness = WorkerLiveness(settings)
+    liveness.register("w:1", -10.0)  # silent for far longer than the timeout
+    # the watch reads the clock when it starts, then once per check
+    times = [0.0, settings.interval_s + late_by * settings.timeout_s]
+    gone = []
+
+    async def on_gone(address, reason):
+        gone.append(address)
+
+    watch = asyncio.create_task(
+        watch_workers(liveness, on_gone, clock=lambda: times.pop(0) if times else 0.0)
+    )
+    try:
+        while times:  # the first check has read its time and run to its end
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0)
+    finally:
+        watch.cancel()
+    assert gone == (["w:1"] if declared_gone else [])
+    assert liveness.knows("w:1") is not declared_gone
+
+
 async def test_the_worker_registers_again_when_the_supervisor_forgot_it():
     answers = [True, False, True, True]
     calls = []

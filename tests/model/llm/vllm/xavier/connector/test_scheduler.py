@@ -355,6 +355,23 @@ def test_a_reservation_given_up_while_unanswered_is_released_once(
     assert side.stats["hits"] == 0
 
 
+def test_a_reservation_past_its_deadline_given_up_is_released(loop, tracker):
+    """The holder never answered, the loop's deadline passed (the holder may still
+    grant after it), then the request went away before vLLM asked again: the
+    scheduler gives it up, and the lease must be released now, not at its TTL."""
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    holder.mode = "hang"
+    side = make_side(loop, tracker, holder, rpc_timeout_s=0.2, reply_wait_s=0.01)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (None, False)
+    time.sleep(0.2 + MARGIN_S)  # the deadline passed in the loop
+    assert holder.released == []  # the loop left the lease to the scheduler
+    assert side.request_finished("r") is None
+    side.flush(2)
+    assert holder.released == [holder.reserved[0][0]]
+
+
 def test_a_longer_local_prefix_replaces_an_unanswered_reservation(loop, tracker):
     holder = Holder()
     prompt = list(range(9))
