@@ -367,7 +367,9 @@ def table(outcomes: Sequence[Outcome]) -> str:
         rows.append((o.mutation.name, file, o.result, by, f"{o.seconds:.0f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
-        "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |"
+        "| "
+        + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+        + " |"
         for row in rows
     ]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
