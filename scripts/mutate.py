@@ -202,8 +202,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "raising_fallback_escapes",
         f"{X}/connector/faults.py",
-        "        try:\n            fallback(*args)\n        except Exception as exc:",
-        "        try:\n            fallback(*args)\n        except ZeroDivisionError as exc:",
+        "            return True\n        except Exception as exc:",
+        "            return True\n        except ZeroDivisionError as exc:",
         (f"{T}/connector/test_vllm_facade.py", f"{T}/connector/test_faults.py"),
         group="issue27",
     ),
@@ -213,6 +213,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            except Exception as report_exc:",
         "            except ZeroDivisionError as report_exc:",
         (f"{T}/connector/test_vllm_facade.py", f"{T}/connector/test_faults.py"),
+        group="issue27",
+    ),
+    Mutation(
+        "failed_fallback_blocks_never_reported",
+        f"{X}/connector/vllm_facade.py",
+        "        if not self._unreported_failures:\n            return step\n",
+        "        return step\n",
+        (f"{T}/connector/test_vllm_facade.py",),
+        group="issue27",
+    ),
+    Mutation(
+        "abandon_load_releases_before_reporting",
+        f"{X}/connector/scheduler.py",
+        "        state = self._requests.get(req_id)\n"
+        "        if state is not None:\n"
+        "            state.load_attempted = True\n",
+        "        self.drop_reservation(req_id)\n"
+        "        state = self._requests.get(req_id)\n"
+        "        if state is not None:\n"
+        "            state.load_attempted = True\n",
+        (f"{T}/connector/test_scheduler.py",),
+        k="abandoned",
         group="issue27",
     ),
     Mutation(

@@ -20,6 +20,7 @@ from xinference.model.llm.vllm.xavier.connector.scheduler import (
     SchedulerSettings,
     SchedulerSide,
 )
+from xinference.model.llm.vllm.xavier.connector.step import RequestLoad
 from xinference.model.llm.vllm.xavier.hashing import BlockHash, hash_full_blocks
 from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
 from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
@@ -607,6 +608,21 @@ def test_an_abandoned_load_fails_its_blocks_and_is_not_retried(loop, tracker):
     side.flush(2)
     assert holder.released == [holder.reserved[0][0]]
     assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+
+
+def test_an_abandoned_load_is_reported_failed_even_if_its_release_fails(loop, tracker):
+    """The fallback of a failed allocation: the request's blocks are queued as
+    failed before its lease is let go, so a release that raises (here: the loop
+    is closed) cannot keep vLLM from recomputing them."""
+    holder = Holder()
+    prompt = list(range(9))
+    publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (8, False)
+    loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        side.abandon_load("r", (4, 5, None))
+    assert side.build_step([]).loads == (RequestLoad("r", None, (4, 5)),)
 
 
 def test_failing_pending_loads_releases_their_leases(loop, tracker):

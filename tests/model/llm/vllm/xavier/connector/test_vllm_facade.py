@@ -210,6 +210,49 @@ def test_worker_faults_fail_the_step_loads_and_skip_staging():
         connector.shutdown()
 
 
+def test_fallbacks_that_fail_too_stay_in_the_connector():
+    """The fallbacks themselves raise (dropping the reservation, abandoning the
+    load, failing the step's loads): nothing reaches vLLM, every fault is
+    counted, and the blocks vLLM was promised are still reported failed in the
+    next step, so the request recomputes them instead of using unwritten KV or
+    waiting for a load that never comes."""
+    connector = XavierConnector(vllm_config(), KVConnectorRole.SCHEDULER, PLAIN)
+    half = Raising(close=None)  # every fallback raises as well
+    connector._scheduler = half  # type: ignore[assignment]
+    try:
+        assert connector.get_num_new_matched_tokens(request(), 0) == (0, False)
+        connector.update_state_after_alloc(request(), blocks(4, 5, 6), 64)
+        assert ("abandon_load", ("r", (4, 5, 6))) in half.calls
+        meta = connector.build_connector_meta(
+            output([], CachedRequestData.make_empty(), {})
+        )
+        assert meta.step.loads == (RequestLoad("r", None, (4, 5, 6)),)
+        # reported once: the next step carries nothing more
+        meta = connector.build_connector_meta(
+            output([], CachedRequestData.make_empty(), {})
+        )
+        assert meta.step.loads == ()
+        assert connector.request_finished(request(), [1]) == (False, None)
+        faults = connector._faults.counts
+        assert faults["releasing a reservation"] == 1
+        assert faults["abandoning a load"] == 1
+        assert faults["build_connector_meta"] == 4  # the step and its fallback, twice
+    finally:
+        connector.shutdown()
+
+    connector = XavierConnector(vllm_config(), KVConnectorRole.WORKER, PLAIN)
+    worker = Raising(close=None)
+    connector._worker = worker  # type: ignore[assignment]
+    step = StepMetadata(loads=(RequestLoad("r", None, (1,)),))
+    connector.bind_connector_metadata(XavierConnectorMetadata(step))
+    try:
+        connector.start_load_kv(None)  # type: ignore[arg-type]
+        assert ("fail_step_loads", (step,)) in worker.calls
+        assert connector._faults.counts["failing this step's loads"] == 1
+    finally:
+        connector.shutdown()
+
+
 def test_in_an_unconfigured_process_xavier_logs_at_the_replicas_level(monkeypatch):
     """vLLM's engine core configures only vLLM's loggers; Xavier's INFO lines there
     (EngineTime's summary) must still reach the replica's log."""

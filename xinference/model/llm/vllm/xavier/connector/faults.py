@@ -52,11 +52,14 @@ class ConnectorFaults:
             except Exception as report_exc:  # counting must not fail the fallback
                 logger.debug("Xavier: could not report a fault: %r", report_exc)
 
-    def attempt(self, what: str, fallback: Callable[..., Any], *args: Any) -> None:
-        """Run a fallback; if it fails too, log it (there is nothing left to do)."""
+    def attempt(self, what: str, fallback: Callable[..., Any], *args: Any) -> bool:
+        """Run a fallback; whether it succeeded. If it fails too, it is counted
+        (as ``what``) and logged, and the caller falls back to its last resort."""
         try:
             fallback(*args)
+            return True
         except Exception as exc:
+            self.counts[what] += 1
             logger.critical(
                 "Xavier %s: %s after a fault failed as well: %r",
                 self._owner,
@@ -64,3 +67,4 @@ class ConnectorFaults:
                 exc,
                 exc_info=exc,
             )
+            return False

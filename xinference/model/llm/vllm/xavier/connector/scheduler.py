@@ -311,7 +311,6 @@ class SchedulerSide:
         counted external tokens: release the reservation and have the worker
         report ``block_ids`` (the request's blocks) as failed, so vLLM recomputes
         them and stops waiting for an asynchronous load."""
-        self.drop_reservation(req_id)
         state = self._requests.get(req_id)
         if state is not None:
             state.load_attempted = True
@@ -319,6 +318,8 @@ class SchedulerSide:
         self._new_loads = [item for item in self._new_loads if item.req_id != req_id]
         failed = tuple(b for b in block_ids if b is not None)
         self._new_loads.append(RequestLoad(req_id, None, failed))
+        # Last: a release that fails must not keep the blocks from being reported.
+        self.drop_reservation(req_id)
 
     def loads_failed(self, block_ids: set[int]) -> None:
         """The worker reported ``block_ids`` as not loaded (vLLM recomputes them):

@@ -27,6 +27,7 @@ as failed, nothing staged).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
 from .engine_time import EngineTime, timed
 from .faults import ConnectorFaults
 from .scheduler import SchedulerSettings, SchedulerSide
-from .step import StepMetadata
+from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
     check_supported,
     cross_layer_views,
@@ -146,6 +147,9 @@ class XavierConnector(KVConnectorBase_V1):
         self._mirror: TrackerMirror | None = None
         self._mirror_run: concurrent.futures.Future[None] | None = None
         self._worker: WorkerSide | None = None
+        # Loads whose fallback failed too (update_state_after_alloc): the next
+        # step reports their blocks as failed all the same (see _last_resort).
+        self._unreported_failures: list[RequestLoad] = []
         if role == KVConnectorRole.SCHEDULER:
             settings = SchedulerSettings(
                 rank=options.rank,
@@ -282,12 +286,17 @@ class XavierConnector(KVConnectorBase_V1):
             if num_external_tokens:
                 # vLLM counts these tokens as coming from us: report the request's
                 # blocks as failed so it recomputes them (and stops waiting).
-                self._faults.attempt(
+                group = block_ids[0] if block_ids else ()
+                if not self._faults.attempt(
                     "abandoning a load",
                     self._scheduler.abandon_load,
                     request.request_id,
-                    block_ids[0] if block_ids else (),
-                )
+                    group,
+                ):
+                    failed = tuple(b for b in group if b is not None)
+                    self._unreported_failures.append(
+                        RequestLoad(request.request_id, None, failed)
+                    )
 
     @timed
     def build_connector_meta(
@@ -303,7 +312,20 @@ class XavierConnector(KVConnectorBase_V1):
             except Exception as again:
                 self._faults.record("build_connector_meta", again)
                 step = StepMetadata()
-        return XavierConnectorMetadata(step)
+        return XavierConnectorMetadata(self._last_resort(step))
+
+    def _last_resort(self, step: StepMetadata) -> StepMetadata:
+        """``step``, reporting as failed the loads whose every fallback failed:
+        without it, vLLM would take their blocks as loaded (a synchronous load) or
+        wait for them forever (an asynchronous one). Whatever the scheduler half
+        still planned for those requests is dropped: it may be half-built, and
+        its lease, if any, expires with its TTL."""
+        if not self._unreported_failures:
+            return step
+        failed, self._unreported_failures = self._unreported_failures, []
+        names = {item.req_id for item in failed}
+        loads = tuple(item for item in step.loads if item.req_id not in names)
+        return dataclasses.replace(step, loads=loads + tuple(failed))
 
     @timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
