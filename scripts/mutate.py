@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a test run needs from the tree.
-COPIED = ("xinference", "tests", "setup.cfg", "pyproject.toml")
+COPIED = ("xinference", "tests", "scripts", "setup.cfg", "pyproject.toml")
 
 X = "xinference/model/llm/vllm/xavier"
 T = "tests/model/llm/vllm/xavier"
@@ -268,6 +268,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if late > settings.timeout_s / 8:",
         ("tests/core/test_heartbeat.py",),
         group="issue27",
+    ),
+    # ---- this tool's own machinery --------------------------------------------
+    Mutation(
+        "planted_file_never_restored",
+        "scripts/mutate.py",
+        "    finally:\n        path.write_bytes(original)\n",
+        "    finally:\n        pass\n",
+        ("tests/scripts/test_mutate.py",),
+        group="tool",
     ),
 )
 

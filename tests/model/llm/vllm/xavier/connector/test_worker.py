@@ -93,6 +93,8 @@ def make_worker(
     factory: Any = None,
     counter: list[CountingActor] | None = None,
     staging_ring_blocks: int = 64,
+    rpc_timeout_s: float = 5.0,
+    wrapper: type[CountingActor] = CountingActor,
 ) -> WorkerSide:
     import xoscar as xo
 
@@ -101,9 +103,7 @@ def make_worker(
     address = cluster.start_transfer_actor(rank)
 
     async def actor() -> Any:
-        ref = CountingActor(
-            await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
-        )
+        ref = wrapper(await xo.actor_ref(address, transfer_actor_uid(MODEL, rank)))
         if counter is not None:
             counter.append(ref)
         return ref
@@ -113,7 +113,7 @@ def make_worker(
         num_blocks=NUM_BLOCKS,
         block_size=BS,
         load_async=load_async,
-        rpc_timeout_s=5.0,
+        rpc_timeout_s=rpc_timeout_s,
         load_timeout_s=15.0,
         layout_hint="packed_kv",
         map_retry_s=0.1,
@@ -374,6 +374,59 @@ def test_ring_stagings_reach_the_actor_only_once_their_copies_completed(
         assert calls() == 1
         worker.wait_for_stagings()  # waits for the copies, then for the actor
         assert calls() == 2
+    finally:
+        worker.close()
+
+
+class NeverStages(CountingActor):
+    """A transfer actor that takes ring stagings and never answers: it may still
+    be reading their slots when the worker stops waiting."""
+
+    def __init__(self, ref: Any) -> None:
+        super().__init__(ref)
+        self.ring_slots: list[list[int]] = []
+
+    async def stage_ring(self, keys: Any, slots: Any) -> Any:
+        self.stage_ring_calls += 1
+        self.ring_slots.append(list(slots))
+        await asyncio.sleep(3600)
+
+
+def test_ring_slots_of_a_staging_that_timed_out_are_never_reused(cluster, loop):
+    """The actor did not answer in time: its slots are retired, not handed out
+    again (new blocks copied into them would change what the actor may still be
+    copying into its store under the old keys). With every slot retired, later
+    blocks are skipped, which costs future hits only."""
+    actors: list[CountingActor] = []
+    worker = make_worker(
+        cluster,
+        loop,
+        next(_ranks),
+        counter=actors,
+        staging_ring_blocks=2,
+        rpc_timeout_s=1.0,
+        wrapper=NeverStages,
+    )
+    worker.register_kv_caches(engine_cache(14))
+    worker.wait_mapped(60)
+
+    def stage(block_ids: list[int], namespace: str) -> None:
+        keys = hash_full_blocks(list(range(BS * len(block_ids))), BS, namespace)
+        items = tuple(StageItem(k, b) for k, b in zip(keys, block_ids, strict=True))
+        worker.wait_for_save(StepMetadata(stage=items))
+
+    try:
+        stage([1, 2], "retired-a")  # both slots, handed to an actor that hangs
+        started = time.monotonic()
+        stage([3], "retired-b")  # the ring is full: waits for the oldest staging
+        assert time.monotonic() - started < 1.0 + 2.0  # its deadline, not forever
+        ring = worker._ring
+        assert ring is not None
+        assert (ring.retired, ring.free_slots) == (2, 0)
+        assert worker.ring_skipped_blocks == 1
+        actor = actors[-1]
+        assert isinstance(actor, NeverStages)
+        assert [sorted(slots) for slots in actor.ring_slots] == [[0, 1]]
     finally:
         worker.close()
 
