@@ -191,6 +191,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         group="issue27",
     ),
     Mutation(
+        "late_reservation_not_released_by_the_loop",
+        f"{X}/connector/reservations.py",
+        "            if not pending.answered():\n"
+        "                await self._release_within_deadline(hit, lease_id)\n"
+        "            raise\n",
+        "            pending.answered()\n            raise\n",
+        (f"{T}/connector/test_scheduler.py",),
+        group="issue27",
+    ),
+    Mutation(
         "timed_out_ring_slots_reused",
         f"{X}/connector/worker.py",
         "                self._ring.retire(staging.slots)\n",
@@ -221,6 +231,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if not self._unreported_failures:\n            return step\n",
         "        return step\n",
         (f"{T}/connector/test_vllm_facade.py",),
+        group="issue27",
+    ),
+    Mutation(
+        "failed_fallback_reported_as_done",
+        f"{X}/connector/faults.py",
+        "            return False\n",
+        "            return True\n",
+        (f"{T}/connector/test_faults.py", f"{T}/connector/test_vllm_facade.py"),
         group="issue27",
     ),
     Mutation(
@@ -352,6 +370,8 @@ def first_failure(output: str) -> str:
 def judge(mutation: Mutation, status: int | None, output: str) -> Outcome:
     if status is None:
         return Outcome(mutation, "caught (timeout)", detail=output)
+    if status == 0 and not re.search(r"\b[1-9]\d* passed", output):
+        return Outcome(mutation, "not run (every test skipped)", detail=output)
     if status == 0:
         return Outcome(mutation, "survived", detail=output)
     if status == 1:
