@@ -390,7 +390,9 @@ def check(
         key = tuple(mutation.pytest_args())
         if key not in baseline:
             status, output = run_tests(tree, key, timeout_s, python)
-            baseline[key] = "" if status == 0 else first_failure(output) or "fails"
+            baseline[key] = (
+                "" if status == 0 else first_failure(output) or f"pytest exit {status}"
+            )
             if status != 0:
                 print(output[-3000:], file=sys.stderr)
         started = time.monotonic()
