@@ -8,7 +8,7 @@ Ctrl-C must not leave a bug behind) gets that one edit, runs those tests under a
 timeout, and gets its file back before the next one. The selections are first run
 once without any edit: a selection that fails on its own catches nothing.
 
-    python scripts/mutate.py                 # every mutation (~10 min on 2 cores)
+    python scripts/mutate.py                 # every mutation (~20 min on 2 busy cores)
     python scripts/mutate.py --group issue27 # one group
     python scripts/mutate.py --only mirror_reset_keeps_entries --only ...
     python scripts/mutate.py --list
@@ -356,6 +356,9 @@ def run_tests(
         os.killpg(child.pid, signal.SIGKILL)
         output, _ = child.communicate()
         return None, output
+    except BaseException:  # Ctrl-C: its own session does not get the signal
+        os.killpg(child.pid, signal.SIGKILL)
+        raise
     return child.returncode, output
 
 
