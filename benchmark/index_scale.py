@@ -147,11 +147,16 @@ class CountingTracker:
 
     async def register_blocks(self, rank: int, keys: Any) -> None:
         await self._ref.register_blocks(rank, keys)
-        self._acked[int(time.time() * 10)] += len(keys)
+        self._count(keys)
 
     async def unregister_blocks(self, rank: int, keys: Any) -> None:
         await self._ref.unregister_blocks(rank, keys)
-        self._acked[int(time.time() * 10)] += len(keys)
+        self._count(keys)
+
+    def _count(self, keys: Any) -> None:
+        # keys travel as a list of 16-byte keys, or packed into one bytes object
+        count = len(keys) // 16 if isinstance(keys, bytes) else len(keys)
+        self._acked[int(time.time() * 10)] += count
 
 
 async def drive(args: dict[str, Any], ready: Any, go: Any, results: Any) -> None:
@@ -245,14 +250,13 @@ async def follow(args: dict[str, Any], ready: Any, go: Any, results: Any) -> Non
         await asyncio.sleep(0.05)
     ready.put(("mirror", args["proc"]))
     t0 = await asyncio.get_running_loop().run_in_executor(None, go.get)
+    # (answers, seconds applying them) over all mirrors here, at each level's start
+    marks = []
+    for level in range(len(args["rates"]) + 1):
+        await asyncio.sleep(max(0.0, t0 + level * args["level_s"] - time.time()))
+        marks.append((sum(m.polls for m in mirrors), sum(m.busy_s for m in mirrors)))
     end = t0 + len(args["rates"]) * args["level_s"] + DRAIN_S
-    await asyncio.sleep(max(0.0, t0 - time.time()))
-    polls0, cpu0 = [m.polls for m in mirrors], time.process_time()
-    busy0 = sum(m.busy_s for m in mirrors)
     await asyncio.sleep(max(0.0, end - time.time()))
-    cpu = time.process_time() - cpu0
-    busy = sum(m.busy_s for m in mirrors) - busy0
-    polls = [m.polls - p for m, p in zip(mirrors, polls0, strict=True)]
     grown = rss_bytes() - base_rss
     for mirror in mirrors:
         mirror.stop()
@@ -263,9 +267,8 @@ async def follow(args: dict[str, Any], ready: Any, go: Any, results: Any) -> Non
             "mirror",
             args["proc"],
             seen,
-            polls,
-            cpu,
-            busy,
+            marks,
+            len(mirrors),
             grown,
             lookup_cost(mirrors[0]),
             sum(mirrors[0]._index.num_blocks(r) for r in args["all_ranks"]),
@@ -374,6 +377,7 @@ def summarize(n, opts, got, cpu_marks, t0, blocks, tracker_grown) -> dict[str, A
             handed.update(g[4])
             for seq, at in g[3]:
                 sent[(g[1], seq)] = at
+    n_mirrors = sum(m[4] for m in mirrors)
     levels = []
     for level, rate in enumerate(opts.rates):
         start, stop = t0 + level * opts.level_s, t0 + (level + 1) * opts.level_s
@@ -388,8 +392,10 @@ def summarize(n, opts, got, cpu_marks, t0, blocks, tracker_grown) -> dict[str, A
             if (d, s) in sent and start <= sent[(d, s)] < stop
         ]
         probes = sum(1 for at in sent.values() if start <= at < stop)
-        missing = probes * len([r for m in mirrors for r in m[3]]) - len(lags)
+        missing = probes * n_mirrors - len(lags)
         cpu = cpu_marks[level + 1] - cpu_marks[level]
+        answers = sum(m[3][level + 1][0] - m[3][level][0] for m in mirrors)
+        applying = sum(m[3][level + 1][1] - m[3][level][1] for m in mirrors)
         all_acked = sum(c for t, c in acked.items() if start * 10 <= t < stop * 10)
         levels.append(
             {
@@ -399,25 +405,26 @@ def summarize(n, opts, got, cpu_marks, t0, blocks, tracker_grown) -> dict[str, A
                 "sustained": changes >= 0.9 * offered and pct(lags, 0.99) < 1000,
                 "trk_us": cpu / max(all_acked, 1) * 1e6,
                 "trk_core": cpu / opts.level_s,
+                "changes": all_acked / opts.level_s,
+                "answers": answers / opts.level_s,
+                "polls": answers / opts.level_s / max(n_mirrors, 1),
+                # a mirror's CPU time applying, per change it applied
+                "apply_us": applying / max(n_mirrors, 1) / max(all_acked, 1) * 1e6,
                 "lag50": pct(lags, 0.5),
                 "lag99": pct(lags, 0.99),
                 "unseen": missing,
             }
         )
-    n_mirrors = sum(len(m[3]) for m in mirrors)
-    span = len(opts.rates) * opts.level_s + DRAIN_S
     return {
         "n": n,
+        "mirrors": n_mirrors,
         "levels": levels,
-        "polls_s": sum(sum(m[3]) for m in mirrors) / max(n_mirrors, 1) / span,
-        "mirror_core": sum(m[4] for m in mirrors) / span,
-        "apply_core": sum(m[5] for m in mirrors) / max(n_mirrors, 1) / span,
-        "lookup_hit_us": statistics.median([m[7][0] for m in mirrors] or [0]),
-        "lookup_miss_us": statistics.median([m[7][1] for m in mirrors] or [0]),
+        "lookup_hit_us": statistics.median([m[6][0] for m in mirrors] or [0]),
+        "lookup_miss_us": statistics.median([m[6][1] for m in mirrors] or [0]),
         "blocks": blocks,
         "trk_b_per_block": tracker_grown / max(blocks, 1),
         "mirror_b_per_block": statistics.median(
-            [m[6] / max(len(m[3]) * m[8], 1) for m in mirrors] or [0]
+            [m[5] / max(m[4] * m[7], 1) for m in mirrors] or [0]
         ),
         "mirror_procs": len(mirrors),
     }
@@ -425,53 +432,94 @@ def summarize(n, opts, got, cpu_marks, t0, blocks, tracker_grown) -> dict[str, A
 
 def print_fleet(r: dict[str, Any]) -> None:
     print(
-        f"\nN={r['n']} replicas, {r['n']} mirrors in {r['mirror_procs']} processes; "
-        f"{r['blocks']} blocks indexed at the end"
+        f"\nN={r['n']} replicas, {r['mirrors']} mirrors in {r['mirror_procs']} "
+        f"processes; {r['blocks']} blocks indexed at the end"
     )
     print(
-        f"{'blocks/s':>8} {'offered':>8} {'changes/s':>10} {'trk us/chg':>10} "
-        f"{'trk core':>8} {'lag p50 ms':>10} {'lag p99 ms':>10} {'unseen':>6}  sustained"
+        f"{'blocks/s':>8} {'offered':>8} {'changes/s':>9} {'trk us/chg':>10} "
+        f"{'trk core':>8} {'polls/s':>7} {'apply us':>8} {'lag p50':>8} "
+        f"{'lag p99':>8} {'unseen':>6}  sustained"
     )
     for lv in r["levels"]:
-        ok = lv["sustained"]
         print(
-            f"{lv['computed']:>8.0f} {lv['offered']:>8.0f} {lv['changes_s']:>10.0f} {lv['trk_us']:>10.1f} "
-            f"{lv['trk_core']:>8.2f} {lv['lag50']:>10.1f} {lv['lag99']:>10.1f} "
-            f"{lv['unseen']:>6}  {'yes' if ok else 'NO'}"
+            f"{lv['computed']:>8.0f} {lv['offered']:>8.0f} {lv['changes_s']:>9.0f} "
+            f"{lv['trk_us']:>10.1f} {lv['trk_core']:>8.2f} {lv['polls']:>7.1f} "
+            f"{lv['apply_us']:>8.2f} {lv['lag50']:>8.1f} {lv['lag99']:>8.1f} "
+            f"{lv['unseen']:>6}  {'yes' if lv['sustained'] else 'NO'}"
         )
     print(
-        f"polls/s per mirror {r['polls_s']:.0f}; mirror processes {r['mirror_core']:.2f}"
-        f" core in all, applying {r['apply_core'] * 1e3:.1f} ms/s per mirror; lookup "
-        f"(100 blocks) hit {r['lookup_hit_us']:.1f} us, miss {r['lookup_miss_us']:.1f}"
-        f" us; bytes per indexed block: tracker {r['trk_b_per_block']:.0f}, "
-        f"mirror {r['mirror_b_per_block']:.0f}"
+        f"(lag in ms; polls/s and apply us/change per mirror) lookup of 100 blocks "
+        f"in a mirror after the run: hit {r['lookup_hit_us']:.1f} us, miss "
+        f"{r['lookup_miss_us']:.1f} us; RSS growth per indexed block: tracker "
+        f"{r['trk_b_per_block']:.0f} B, mirror {r['mirror_b_per_block']:.0f} B"
     )
 
 
-def model(results: list[dict[str, Any]], target: float) -> None:
-    """tracker CPU per change = a + b * mirrors, fitted on the sustained levels."""
-    points = []
+def model(results: list[dict[str, Any]], target: float, polls: float) -> None:
+    """The tracker's CPU seconds per second, fitted over every level of every fleet:
+
+        cpu = a * changes/s + b * answers/s + c * changes/s * mirrors
+
+    a: taking a change in (xoscar, the index, logging it); b: one answer to one
+    mirror's poll, whatever it carries; c: carrying one change in one answer
+    (encoding and sending it). Evaluated at ``target`` changes/s with each of N
+    mirrors answered ``polls`` times a second."""
+    import numpy as np
+
+    rows, cpu = [], []
     for r in results:
         for lv in r["levels"]:
-            if lv["sustained"]:
-                points.append((r["n"], lv["trk_us"]))
-    if len({n for n, _ in points}) < 2:
-        print("\nmodel: needs sustained levels at two fleet sizes")
+            rows.append([lv["changes"], lv["answers"], lv["changes"] * r["mirrors"]])
+            cpu.append(lv["trk_core"])
+    if len(rows) < 3:
+        print("\nmodel: needs three levels")
         return
-    xs, ys = [float(n) for n, _ in points], [us for _, us in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
-    a = my - b * mx
+    (a, b, c), *_ = np.linalg.lstsq(np.array(rows), np.array(cpu), rcond=None)
     print(
-        f"\nmodel (least squares over {len(points)} sustained levels): tracker CPU "
-        f"per change = {a:.2f} us + {b:.3f} us x mirrors"
+        f"\nmodel (least squares over {len(rows)} levels): tracker core = "
+        f"{a * 1e6:.2f} us x changes/s + {b * 1e6:.1f} us x answers/s + "
+        f"{c * 1e6:.3f} us x changes/s x mirrors"
     )
-    print(f"{'N':>4} {'us/chg':>8} {'cores at target':>16}   target {target:.0f}/s")
+    applies = [lv["apply_us"] for r in results for lv in r["levels"] if lv["changes"]]
+    apply_us = statistics.median(applies) if applies else float("nan")
+    print(
+        f"at {target:.0f} changes/s, {polls:.0f} answers/s per mirror; a mirror "
+        f"applies a change in {apply_us:.2f} us (median over levels)"
+    )
+    print(f"{'N':>4} {'tracker cores':>13} {'mirror core each':>16}")
     for n in (2, 8, 16, 32, 64):
-        us = a + b * n
-        print(f"{n:>4} {us:>8.2f} {us * target / 1e6:>16.2f}")
+        cores = a * target + b * n * polls + c * target * n
+        print(f"{n:>4} {cores:>13.2f} {apply_us * target / 1e6:>16.2f}")
+
+
+def memory_per_block(ranks: int = 64, per_rank: int = 2000) -> tuple[float, float]:
+    """Bytes per indexed block (tracemalloc, in this process): a tracker holding
+    ``ranks`` x ``per_rank`` blocks (shared heads plus tails of their own,
+    registered 32 at a time, change log included), and a mirror of it."""
+    import tracemalloc
+
+    def fetch(since: int, wait_s: float) -> Any:
+        raise AssertionError("not polled")
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    tracker = BlockTrackerActor()
+    blocks = 0
+    for rank in range(ranks):
+        tracker.register_replica(rank, f"sim://{rank}")
+        keys = [k for head in HEAD_CHAINS for k in head]
+        keys += chain(b"mem-%d" % rank, per_rank - len(keys))
+        for i in range(0, len(keys), 32):
+            tracker.register_blocks(rank, keys[i : i + 32])
+        blocks += len(keys)
+    in_tracker = tracemalloc.get_traced_memory()[0] - before
+    snapshot = asyncio.run(tracker.mirror_changes(0, -1, 0.0))
+    before = tracemalloc.get_traced_memory()[0]
+    mirror = TrackerMirror(fetch, rpc_timeout_s=1)
+    mirror.apply(snapshot)
+    in_mirror = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return in_tracker / blocks, in_mirror / blocks
 
 
 def main() -> None:
@@ -495,6 +543,12 @@ def main() -> None:
         help="changes/s the model is evaluated at (64 replicas x 1000 registrations"
         " + as many removals)",
     )
+    parser.add_argument(
+        "--polls",
+        type=float,
+        default=50.0,
+        help="answers per second per mirror the model assumes (one per 20 ms window)",
+    )
     parser.add_argument("--quick", action="store_true", help="N=2; one short level")
     opts = parser.parse_args()
     if opts.quick:
@@ -514,7 +568,12 @@ def main() -> None:
         print_fleet(result)
         sys.stdout.flush()
         results.append(result)
-    model(results, opts.target)
+    model(results, opts.target, opts.polls)
+    tracker_b, mirror_b = memory_per_block()
+    print(
+        f"\nmemory per indexed block (tracemalloc; 64 ranks x 2000 blocks, log "
+        f"included): tracker {tracker_b:.0f} B, mirror {mirror_b:.0f} B"
+    )
 
 
 if __name__ == "__main__":
