@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from ..change_log import pack_keys
 from ..hashing import BlockHash
 from ..stats import ActorCounters
 
@@ -71,13 +72,16 @@ class TrackerUpdates:
             keys_added, keys_dropped = net_tracker_change(self._queue)
             self._queue.clear()
             try:
+                # packed: one bytes object travels, and the tracker logs it as is
                 if keys_dropped:
                     await self._deadline(
-                        self.tracker.unregister_blocks(self._rank, keys_dropped)
+                        self.tracker.unregister_blocks(
+                            self._rank, pack_keys(keys_dropped)
+                        )
                     )
                 if keys_added:
                     await self._deadline(
-                        self.tracker.register_blocks(self._rank, keys_added)
+                        self.tracker.register_blocks(self._rank, pack_keys(keys_added))
                     )
             except Exception as exc:  # logged and counted; see below
                 # Not fatal: a key the tracker missed is a miss for peers; a stale
