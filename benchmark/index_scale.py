@@ -504,6 +504,59 @@ def model(results: list[dict[str, Any]], target: float, polls: float) -> None:
         print(f"{n:>4} {cores:>13.2f} {mirror_us * target / 1e6:>16.2f}")
 
 
+def answer_encoding(keys: int = 2560, batch: int = 32) -> None:
+    """What one answer to one mirror costs xoscar's serializer, per key, as
+    ``IndexChange`` objects (main's feed) and as packed records, in this run: 2,560
+    keys is a 20 ms window of 128,000 changes/s, in 32-key updates."""
+    from xoscar.serialization import deserialize, serialize
+
+    from xinference.model.llm.vllm.xavier.change_log import encode, pack_keys
+    from xinference.model.llm.vllm.xavier.wire import IndexChange, TrackerChanges
+
+    updates = [chain(b"enc-%d" % i, batch) for i in range(keys // batch)]
+    addresses = tuple((r, f"nixl://10.0.0.{r}:41000") for r in range(64))
+    as_objects = TrackerChanges(
+        1,
+        False,
+        tuple(
+            IndexChange(IndexChange.ADD, i % 64, tuple(u))
+            for i, u in enumerate(updates)
+        ),
+        addresses,
+    )
+    records = [
+        encode(IndexChange.ADD, i % 64, pack_keys(u)) for i, u in enumerate(updates)
+    ]
+    packed = TrackerChanges(1, False, (), addresses, b"".join(records))
+
+    def per_key_us(call: Any) -> float:
+        times = []
+        for _ in range(30):
+            started = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) / keys * 1e6
+
+    print(
+        f"\none answer of {keys} keys in {len(updates)} changes, xoscar's serializer:"
+    )
+    costs = {}
+    for name, answer in (("objects", as_objects), ("packed", packed)):
+        headers, buffers = serialize(answer)
+        costs[name] = (
+            per_key_us(lambda a=answer: serialize(a)),
+            per_key_us(lambda h=headers, b=buffers: deserialize(h, b)),
+        )
+        print(
+            f"  {name:>8}: serialize {costs[name][0]:.4f} us/key (tracker, per "
+            f"mirror), deserialize {costs[name][1]:.4f} us/key (mirror)"
+        )
+    print(
+        f"  packed/objects: serialize x{costs['packed'][0] / costs['objects'][0]:.3f},"
+        f" deserialize x{costs['packed'][1] / costs['objects'][1]:.3f}"
+    )
+
+
 def memory_per_block(ranks: int = 64, per_rank: int = 2000) -> tuple[float, float]:
     """Bytes per indexed block (tracemalloc, in this process): a tracker holding
     ``ranks`` x ``per_rank`` blocks (shared heads plus tails of their own,
@@ -581,6 +634,7 @@ def main() -> None:
         sys.stdout.flush()
         results.append(result)
     model(results, opts.target, opts.polls)
+    answer_encoding()
     tracker_b, mirror_b = memory_per_block()
     print(
         f"\nmemory per indexed block (tracemalloc; 64 ranks x 2000 blocks, log "
