@@ -144,6 +144,7 @@ class CountingTracker:
 
     def __init__(self, ref: Any, acked: collections.Counter[int]) -> None:
         self._ref, self._acked = ref, acked
+        self.calls: collections.Counter[int] = collections.Counter()
 
     async def register_blocks(self, rank: int, keys: Any) -> None:
         await self._ref.register_blocks(rank, keys)
@@ -156,7 +157,9 @@ class CountingTracker:
     def _count(self, keys: Any) -> None:
         # keys travel as a list of 16-byte keys, or packed into one bytes object
         count = len(keys) // 16 if isinstance(keys, bytes) else len(keys)
-        self._acked[int(time.time() * 10)] += count
+        tick = int(time.time() * 10)
+        self._acked[tick] += count
+        self.calls[tick] += 1
 
 
 async def drive(args: dict[str, Any], ready: Any, go: Any, results: Any) -> None:
@@ -202,7 +205,8 @@ async def drive(args: dict[str, Any], ready: Any, go: Any, results: Any) -> None
         await asyncio.sleep(max(0.0, t0 + step * STEP_S - time.time()))
     for replica in replicas:
         await replica.updates.wait()
-    results.put(("driver", args["driver"], dict(acked), probes, dict(handed)))
+    calls = dict(counting.calls)
+    results.put(("driver", args["driver"], dict(acked), probes, dict(handed), calls))
 
 
 def driver_main(args: dict[str, Any], ready: Any, go: Any, results: Any) -> None:
@@ -376,12 +380,14 @@ def rate_in(ticks: collections.Counter[int], start: float, stop: float) -> float
 def summarize(n, opts, got, cpu_marks, t0, blocks, tracker_grown) -> dict[str, Any]:
     acked: collections.Counter[int] = collections.Counter()
     handed: collections.Counter[int] = collections.Counter()
+    calls: collections.Counter[int] = collections.Counter()
     sent: dict[tuple[int, int], float] = {}
     mirrors = [g for g in got if g[0] == "mirror"]
     for g in got:
         if g[0] == "driver":
             acked.update(g[2])
             handed.update(g[4])
+            calls.update(g[5])
             for seq, at in g[3]:
                 sent[(g[1], seq)] = at
     n_mirrors = sum(m[4] for m in mirrors)
@@ -414,6 +420,7 @@ def summarize(n, opts, got, cpu_marks, t0, blocks, tracker_grown) -> dict[str, A
                 "trk_us": cpu / max(all_acked, 1) * 1e6,
                 "trk_core": cpu / opts.level_s,
                 "changes": all_acked / opts.level_s,
+                "calls": rate_in(calls, start, stop),
                 "answers": answers / opts.level_s,
                 "polls": answers / opts.level_s / max(n_mirrors, 1),
                 # a mirror's CPU time applying, per change it applied
@@ -467,40 +474,51 @@ def print_fleet(r: dict[str, Any]) -> None:
     )
 
 
-def model(results: list[dict[str, Any]], target: float, polls: float) -> None:
+def model(
+    results: list[dict[str, Any]], target: float, polls: float, calls: float
+) -> None:
     """The tracker's CPU seconds per second, fitted over every level of every fleet:
 
-        cpu = a * changes/s + b * answers/s + c * changes/s * mirrors
+        cpu = a * changes/s + b * answers/s + c * changes/s * mirrors + d * calls/s
 
-    a: taking a change in (xoscar, the index, logging it); b: one answer to one
-    mirror's poll, whatever it carries; c: carrying one change in one answer
-    (encoding and sending it). Evaluated at ``target`` changes/s with each of N
-    mirrors answered ``polls`` times a second."""
+    a: taking a key in (the index, logging it); b: one answer to one mirror's
+    poll, whatever it carries; c: carrying one change in one answer (encoding and
+    sending it); d: one register or unregister call, whatever it carries.
+    Evaluated at ``target`` changes/s with each of N mirrors answered ``polls``
+    times a second, and ``calls`` calls per replica per second."""
     import numpy as np
 
     rows, cpu = [], []
     for r in results:
         for lv in r["levels"]:
-            rows.append([lv["changes"], lv["answers"], lv["changes"] * r["mirrors"]])
+            rows.append(
+                [
+                    lv["changes"],
+                    lv["answers"],
+                    lv["changes"] * r["mirrors"],
+                    lv["calls"],
+                ]
+            )
             cpu.append(lv["trk_core"])
-    if len(rows) < 3:
-        print("\nmodel: needs three levels")
+    if len(rows) < 4:
+        print("\nmodel: needs four levels")
         return
-    (a, b, c), *_ = np.linalg.lstsq(np.array(rows), np.array(cpu), rcond=None)
+    (a, b, c, d), *_ = np.linalg.lstsq(np.array(rows), np.array(cpu), rcond=None)
     print(
         f"\nmodel (least squares over {len(rows)} levels): tracker core = "
         f"{a * 1e6:.2f} us x changes/s + {b * 1e6:.1f} us x answers/s + "
-        f"{c * 1e6:.3f} us x changes/s x mirrors"
+        f"{c * 1e6:.3f} us x changes/s x mirrors + {d * 1e6:.1f} us x calls/s"
     )
     costs = [lv["mirror_us"] for r in results for lv in r["levels"] if lv["changes"]]
     mirror_us = statistics.median(costs) if costs else float("nan")
     print(
-        f"at {target:.0f} changes/s, {polls:.0f} answers/s per mirror; a mirror's "
+        f"at {target:.0f} changes/s, {polls:.0f} answers/s per mirror, {calls:.0f} "
+        f"calls/s per replica; a mirror's "
         f"process spends {mirror_us:.2f} us per change (median over levels)"
     )
     print(f"{'N':>4} {'tracker cores':>13} {'mirror core each':>16}")
     for n in (2, 8, 16, 32, 64):
-        cores = a * target + b * n * polls + c * target * n
+        cores = a * target + b * n * polls + c * target * n + d * n * calls
         print(f"{n:>4} {cores:>13.2f} {mirror_us * target / 1e6:>16.2f}")
 
 
@@ -614,6 +632,13 @@ def main() -> None:
         default=50.0,
         help="answers per second per mirror the model assumes (one per 20 ms window)",
     )
+    parser.add_argument(
+        "--calls",
+        type=float,
+        default=100.0,
+        help="register/unregister calls per replica per second the model assumes "
+        "(one of each per 20 ms engine step)",
+    )
     parser.add_argument("--quick", action="store_true", help="N=2; one short level")
     opts = parser.parse_args()
     if opts.quick:
@@ -633,7 +658,7 @@ def main() -> None:
         print_fleet(result)
         sys.stdout.flush()
         results.append(result)
-    model(results, opts.target, opts.polls)
+    model(results, opts.target, opts.polls, opts.calls)
     answer_encoding()
     tracker_b, mirror_b = memory_per_block()
     print(
