@@ -454,13 +454,14 @@ def print_fleet(r: dict[str, Any]) -> None:
     )
     print(
         f"{'blocks/s':>8} {'offered':>8} {'changes/s':>9} {'trk us/chg':>10} "
-        f"{'trk core':>8} {'polls/s':>7} {'apply us':>8} {'mir us':>6} {'lag p50':>8} "
+        f"{'trk core':>8} {'calls/s':>7} {'polls/s':>7} {'apply us':>8} {'mir us':>6} {'lag p50':>8} "
         f"{'lag p99':>8} {'unseen':>6}  sustained"
     )
     for lv in r["levels"]:
         print(
             f"{lv['computed']:>8.0f} {lv['offered']:>8.0f} {lv['changes_s']:>9.0f} "
-            f"{lv['trk_us']:>10.1f} {lv['trk_core']:>8.2f} {lv['polls']:>7.1f} "
+            f"{lv['trk_us']:>10.1f} {lv['trk_core']:>8.2f} {lv['calls']:>7.0f} "
+            f"{lv['polls']:>7.1f} "
             f"{lv['apply_us']:>8.2f} {lv['mirror_us']:>6.2f} {lv['lag50']:>8.1f} "
             f"{lv['lag99']:>8.1f} "
             f"{lv['unseen']:>6}  {'yes' if lv['sustained'] else 'NO'}"
@@ -474,55 +475,90 @@ def print_fleet(r: dict[str, Any]) -> None:
     )
 
 
+def ingest_us(batch: int = 32, ranks: int = 64, per_rank: int = 2000) -> float:
+    """The tracker's own work per change, called in process (no xoscar): a fleet's
+    registrations of ``batch`` keys, then as many removals, with this tree's
+    tracker (its index and change log) and the keys as ``TrackerUpdates`` sends
+    them (packed where the tree packs them)."""
+    try:
+        from xinference.model.llm.vllm.xavier.change_log import pack_keys
+    except ImportError:  # main's tree sends lists
+
+        def pack_keys(keys: Any) -> Any:
+            return list(keys)
+
+    tracker = BlockTrackerActor()
+    updates = []
+    for rank in range(ranks):
+        tracker.register_replica(rank, f"sim://{rank}")
+        keys = chain(b"ingest-%d" % rank, per_rank)
+        updates += [
+            (rank, pack_keys(keys[i : i + batch])) for i in range(0, per_rank, batch)
+        ]
+    started = time.process_time()
+    for rank, keys in updates:
+        tracker.register_blocks(rank, keys)
+    for rank, keys in updates:
+        tracker.unregister_blocks(rank, keys)
+    return (time.process_time() - started) / (2 * ranks * per_rank) * 1e6
+
+
 def model(
-    results: list[dict[str, Any]], target: float, polls: float, calls: float
+    results: list[dict[str, Any]],
+    target: float,
+    polls: float,
+    calls: float,
+    costs: dict[str, float],
 ) -> None:
-    """The tracker's CPU seconds per second, fitted over every level of every fleet:
+    """The tracker's cores at ``target`` changes/s with N mirrors, bottom up:
 
-        cpu = a * changes/s + b * answers/s + c * changes/s * mirrors + d * calls/s
+        cores = ingest * changes/s + fanout * changes/s * N + rpc * (calls/s + answers/s)
 
-    a: taking a key in (the index, logging it); b: one answer to one mirror's
-    poll, whatever it carries; c: carrying one change in one answer (encoding and
-    sending it); d: one register or unregister call, whatever it carries.
-    Evaluated at ``target`` changes/s with each of N mirrors answered ``polls``
-    times a second, and ``calls`` calls per replica per second."""
-    import numpy as np
-
-    rows, cpu = [], []
+    ingest: the tracker's own work per change (``ingest_us``); fanout: serializing a
+    change into one mirror's answer (``answer_encoding``, the encoding this tree
+    sends); rpc: xoscar's and asyncio's cost of one call or answer whatever it
+    carries, solved per sustained level of the runs from the tracker's measured CPU
+    time less the first two terms, median. Evaluated with ``calls`` register and
+    unregister calls per replica per second and ``polls`` answers per mirror per
+    second. A mirror's process: its measured CPU per change times ``target``."""
+    ingest, fanout = costs["ingest"], costs["fanout"]
+    rpcs = []
     for r in results:
         for lv in r["levels"]:
-            rows.append(
-                [
-                    lv["changes"],
-                    lv["answers"],
-                    lv["changes"] * r["mirrors"],
-                    lv["calls"],
-                ]
+            if not lv["sustained"] or not lv["calls"] + lv["answers"]:
+                continue
+            rest = (
+                lv["trk_core"] - (ingest + fanout * r["mirrors"]) * lv["changes"] / 1e6
             )
-            cpu.append(lv["trk_core"])
-    if len(rows) < 4:
-        print("\nmodel: needs four levels")
+            rpcs.append(rest / (lv["calls"] + lv["answers"]) * 1e6)
+    if not rpcs:
+        print("\nmodel: needs a sustained level")
         return
-    (a, b, c, d), *_ = np.linalg.lstsq(np.array(rows), np.array(cpu), rcond=None)
+    rpc = statistics.median(rpcs)
+    mirror_costs = [
+        lv["mirror_us"] for r in results for lv in r["levels"] if lv["sustained"]
+    ]
+    mirror_us = min(mirror_costs)
     print(
-        f"\nmodel (least squares over {len(rows)} levels): tracker core = "
-        f"{a * 1e6:.2f} us x changes/s + {b * 1e6:.1f} us x answers/s + "
-        f"{c * 1e6:.3f} us x changes/s x mirrors + {d * 1e6:.1f} us x calls/s"
+        f"\nmodel: tracker cores = {ingest:.2f} us x changes/s + {fanout:.4f} us x "
+        f"changes/s x N + {rpc:.0f} us x (calls/s + answers/s)   [rpc: median of "
+        f"{len(rpcs)} sustained levels]"
     )
-    costs = [lv["mirror_us"] for r in results for lv in r["levels"] if lv["changes"]]
-    mirror_us = statistics.median(costs) if costs else float("nan")
     print(
-        f"at {target:.0f} changes/s, {polls:.0f} answers/s per mirror, {calls:.0f} "
-        f"calls/s per replica; a mirror's "
-        f"process spends {mirror_us:.2f} us per change (median over levels)"
+        f"at {target:.0f} changes/s, {calls:.0f} calls/s per replica, {polls:.0f} "
+        f"answers/s per mirror; a mirror's process: {mirror_us:.2f} us per change "
+        f"(its lowest over sustained levels, where fixed costs weigh least)"
     )
-    print(f"{'N':>4} {'tracker cores':>13} {'mirror core each':>16}")
+    print(
+        f"{'N':>4} {'tracker cores':>13} {'of which fan-out':>16} {'mirror core':>11}"
+    )
     for n in (2, 8, 16, 32, 64):
-        cores = a * target + b * n * polls + c * target * n + d * n * calls
-        print(f"{n:>4} {cores:>13.2f} {mirror_us * target / 1e6:>16.2f}")
+        out = fanout * target * n / 1e6
+        cores = ingest * target / 1e6 + out + rpc * n * (calls + polls) / 1e6
+        print(f"{n:>4} {cores:>13.2f} {out:>16.2f} {mirror_us * target / 1e6:>11.2f}")
 
 
-def answer_encoding(keys: int = 2560, batch: int = 32) -> None:
+def answer_encoding(keys: int = 2560, batch: int = 32) -> float:
     """What one answer to one mirror costs xoscar's serializer, per key, as
     ``IndexChange`` objects (main's feed) and as packed records, in this run: 2,560
     keys is a 20 ms window of 128,000 changes/s, in 32-key updates."""
@@ -533,38 +569,40 @@ def answer_encoding(keys: int = 2560, batch: int = 32) -> None:
     try:
         from xinference.model.llm.vllm.xavier.change_log import encode, pack_keys
     except ImportError:  # main's tree, before the packed feed
-        print("\n(this tree has no packed change records: answer encoding skipped)")
-        return
+        encode = None
 
     updates = [chain(b"enc-%d" % i, batch) for i in range(keys // batch)]
     addresses = tuple((r, f"nixl://10.0.0.{r}:41000") for r in range(64))
-    as_objects = TrackerChanges(
-        1,
-        False,
-        tuple(
-            IndexChange(IndexChange.ADD, i % 64, tuple(u))
-            for i, u in enumerate(updates)
-        ),
-        addresses,
-    )
-    records = [
-        encode(IndexChange.ADD, i % 64, pack_keys(u)) for i, u in enumerate(updates)
-    ]
-    packed = TrackerChanges(1, False, (), addresses, b"".join(records))
+    answers = {
+        "objects": TrackerChanges(
+            1,
+            False,
+            tuple(
+                IndexChange(IndexChange.ADD, i % 64, tuple(u))
+                for i, u in enumerate(updates)
+            ),
+            addresses,
+        )
+    }
+    if encode is not None:
+        records = [
+            encode(IndexChange.ADD, i % 64, pack_keys(u)) for i, u in enumerate(updates)
+        ]
+        answers["packed"] = TrackerChanges(1, False, (), addresses, b"".join(records))
 
     def per_key_us(call: Any) -> float:
         times = []
         for _ in range(30):
-            started = time.perf_counter()
+            started = time.process_time()
             call()
-            times.append(time.perf_counter() - started)
+            times.append(time.process_time() - started)
         return statistics.median(times) / keys * 1e6
 
     print(
         f"\none answer of {keys} keys in {len(updates)} changes, xoscar's serializer:"
     )
     costs = {}
-    for name, answer in (("objects", as_objects), ("packed", packed)):
+    for name, answer in answers.items():
         headers, buffers = serialize(answer)
         costs[name] = (
             per_key_us(lambda a=answer: serialize(a)),
@@ -574,10 +612,14 @@ def answer_encoding(keys: int = 2560, batch: int = 32) -> None:
             f"  {name:>8}: serialize {costs[name][0]:.4f} us/key (tracker, per "
             f"mirror), deserialize {costs[name][1]:.4f} us/key (mirror)"
         )
-    print(
-        f"  packed/objects: serialize x{costs['packed'][0] / costs['objects'][0]:.3f},"
-        f" deserialize x{costs['packed'][1] / costs['objects'][1]:.3f}"
-    )
+    if "packed" in costs:
+        print(
+            f"  packed/objects: serialize "
+            f"x{costs['packed'][0] / costs['objects'][0]:.3f}, deserialize "
+            f"x{costs['packed'][1] / costs['objects'][1]:.3f}"
+        )
+    # what this tree's tracker sends
+    return costs["packed" if "packed" in costs else "objects"][0]
 
 
 def memory_per_block(ranks: int = 64, per_rank: int = 2000) -> tuple[float, float]:
@@ -663,8 +705,9 @@ def main() -> None:
         print_fleet(result)
         sys.stdout.flush()
         results.append(result)
-    model(results, opts.target, opts.polls, opts.calls)
-    answer_encoding()
+    costs = {"ingest": ingest_us(), "fanout": answer_encoding()}
+    print(f"the tracker's own work per change, in process: {costs['ingest']:.2f} us")
+    model(results, opts.target, opts.polls, opts.calls, costs)
     tracker_b, mirror_b = memory_per_block()
     print(
         f"\nmemory per indexed block (tracemalloc; 64 ranks x 2000 blocks, log "
