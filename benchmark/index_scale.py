@@ -150,6 +150,10 @@ class CountingTracker:
         await self._ref.register_blocks(rank, keys)
         self._count(keys)
 
+    async def update_blocks(self, rank: int, dropped: Any, added: Any) -> None:
+        await self._ref.update_blocks(rank, dropped, added)
+        self._count(dropped + added)
+
     async def unregister_blocks(self, rank: int, keys: Any) -> None:
         await self._ref.unregister_blocks(rank, keys)
         self._count(keys)

@@ -137,18 +137,14 @@ async def test_a_mirror_that_is_behind_gets_one_answer_per_window(monkeypatch):
     assert time.monotonic() - started < window / 2
 
 
-async def test_replicas_send_their_keys_packed_and_the_tracker_logs_them_as_sent():
+async def test_replicas_send_one_packed_update_per_send_logged_as_sent():
     tracker = fresh_tracker()
     sent: list[tuple[str, int, object]] = []
 
     class Recording:
-        async def register_blocks(self, rank, keys):
-            sent.append(("add", rank, keys))
-            tracker.register_blocks(rank, keys)
-
-        async def unregister_blocks(self, rank, keys):
-            sent.append(("remove", rank, keys))
-            tracker.unregister_blocks(rank, keys)
+        async def update_blocks(self, rank, dropped, added):
+            sent.append((rank, dropped, added))
+            tracker.update_blocks(rank, dropped, added)
 
     async def no_deadline(call):
         return await call
@@ -158,13 +154,16 @@ async def test_replicas_send_their_keys_packed_and_the_tracker_logs_them_as_sent
     base = (await tracker.mirror_changes(0, -1, 0.0)).version
     await updates.tell(KEYS[:4], [])
     await updates.tell([], KEYS[3:4])
+    await updates.tell(KEYS[3:5], KEYS[:1])  # one call, the drops applied first
     assert sent == [
-        ("add", 1, pack_keys(KEYS[:4])),
-        ("remove", 1, pack_keys(KEYS[3:4])),
+        (1, b"", pack_keys(KEYS[:4])),
+        (1, pack_keys(KEYS[3:4]), b""),
+        (1, pack_keys(KEYS[:1]), pack_keys(KEYS[3:5])),
     ]
-    assert tracker.query_prefix(2, KEYS) == PrefixHit(1, "nixl://1", 3)
+    assert tracker.query_prefix(2, KEYS[1:]) == PrefixHit(1, "nixl://1", 4)
+    assert tracker.query_prefix(2, KEYS) is None  # KEYS[0] was dropped
     answer = await tracker.mirror_changes(0, base, 0.0)
-    assert answer.packed.endswith(pack_keys(KEYS[3:4]))
+    assert answer.packed.endswith(pack_keys(KEYS[3:5]))
 
 
 def test_the_rank_bit_index_keeps_the_prefix_rule_for_any_rank():

@@ -92,6 +92,14 @@ class BlockTrackerActor(xo.StatelessActor):
             return  # the replica was forgotten meanwhile: nothing left to remove
         self._change(IndexChange.REMOVE, rank, pack_keys(keys))
 
+    def update_blocks(self, rank: int, dropped: Keys, added: Keys) -> None:
+        """A replica's net update in one call, drops first (what ``TrackerUpdates``
+        sends): at fleet scale the tracker's cost is mostly per call, not per key."""
+        if len(dropped):
+            self.unregister_blocks(rank, dropped)
+        if len(added):
+            self.register_blocks(rank, added)
+
     def query_prefix(self, rank: int, keys: Sequence[BlockHash]) -> PrefixHit | None:
         """Longest contiguous run of leading ``keys`` held by one replica != ``rank``,
         as the mirrors see it (see the module docstring)."""
