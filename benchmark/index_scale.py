@@ -479,6 +479,22 @@ def print_fleet(r: dict[str, Any]) -> None:
     )
 
 
+async def message_us(calls: int = 2000) -> float:
+    """The tracker process's CPU time per call that carries nothing: what one
+    xoscar message costs it, whatever it carries (the model's rpc term, alone)."""
+    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
+    (sub,) = list(pool.sub_processes)
+    tracker = await xo.create_actor(BlockTrackerActor, address=sub, uid=TRACKER_UID)
+    probe = await xo.create_actor(ProcessProbe, address=sub, uid=PROBE_UID)
+    await tracker.register_replica(0, "sim://0")
+    started = await probe.cpu_s()
+    for _ in range(calls):
+        await tracker.num_blocks(0)
+    spent = await probe.cpu_s() - started
+    await pool.stop()
+    return spent / calls * 1e6
+
+
 def ingest_us(batch: int = 32, ranks: int = 64, per_rank: int = 2000) -> float:
     """The tracker's own work per change, called in process (no xoscar): a fleet's
     registrations of ``batch`` keys, then as many removals, with this tree's
@@ -711,6 +727,10 @@ def main() -> None:
         results.append(result)
     costs = {"ingest": ingest_us(), "fanout": answer_encoding()}
     print(f"the tracker's own work per change, in process: {costs['ingest']:.2f} us")
+    print(
+        f"the tracker process's CPU per call carrying nothing: "
+        f"{asyncio.run(message_us()):.0f} us"
+    )
     model(results, opts.target, opts.polls, opts.calls, costs)
     tracker_b, mirror_b = memory_per_block()
     print(
