@@ -702,9 +702,9 @@ def main() -> None:
     parser.add_argument(
         "--calls",
         type=float,
-        default=100.0,
-        help="register/unregister calls per replica per second the model assumes "
-        "(one of each per 20 ms engine step)",
+        default=50.0,
+        help="calls per replica per second the model assumes: one update_blocks per "
+        "20 ms engine step (main's tree sends two: evaluate it with --calls 100)",
     )
     parser.add_argument("--quick", action="store_true", help="N=2; one short level")
     opts = parser.parse_args()
