@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 
 import xoscar as xo
 
+from .change_log import ChangeLog, Keys, encode, encode_snapshot, pack_keys, unpack_keys
 from .hashing import BlockHash
 from .prefix_index import PrefixIndex
 from .wire import IndexChange, PrefixHit, TrackerChanges
@@ -33,7 +33,8 @@ CHANGE_LOG_KEYS = 200_000
 # A mirror that has not polled again this long after its last wait ended no longer
 # holds back what rank -1 queries see.
 MIRROR_GRACE_S = 5.0
-# After a change wakes a waiting mirror, its answer waits this long for more.
+# After a change wakes a waiting mirror, its answer waits this long for more; and a
+# mirror gets at most one answer per this window (see ``mirror_changes``).
 MIRROR_BATCH_S = 0.02
 
 
@@ -51,13 +52,15 @@ class BlockTrackerActor(xo.StatelessActor):
         # rank -> transfer actor pool address
         self._addresses: dict[int, str] = {}
         self._version = 0
-        # (version, change), oldest first; _log_keys counts the keys it holds
-        self._log: deque[tuple[int, IndexChange]] = deque()
-        self._log_keys = 0
+        self._log = ChangeLog(CHANGE_LOG_KEYS)
         self._changed = asyncio.Event()
         # rank -> (version its mirror has applied, monotonic time until which the
         # mirror counts as live: the end of its current poll plus a grace)
         self._mirrors: dict[int, tuple[int, float]] = {}
+        # rank -> monotonic time of its mirror's last answer
+        self._answered: dict[int, float] = {}
+        # (version, the whole index as change records) of the last snapshot sent
+        self._snapshot_of: tuple[int, bytes] = (-1, b"")
 
     @classmethod
     def default_uid(cls) -> str:
@@ -73,19 +76,29 @@ class BlockTrackerActor(xo.StatelessActor):
             logger.info(
                 "replica %d re-registered at %s; dropping its old blocks", rank, address
             )
-            self._change(IndexChange(IndexChange.FORGET, rank))
+            self._change(IndexChange.FORGET, rank)
         self._addresses[rank] = address
         self._index.add(rank, ())
 
-    def register_blocks(self, rank: int, keys: Sequence[BlockHash]) -> None:
+    def register_blocks(self, rank: int, keys: Keys) -> None:
+        """``keys``: block keys, or those keys packed (``change_log.pack_keys``,
+        what transfer actors send: logged as received, never re-encoded)."""
         if rank not in self._addresses:
             raise KeyError(f"replica {rank} is not registered with the block tracker")
-        self._change(IndexChange(IndexChange.ADD, rank, tuple(keys)))
+        self._change(IndexChange.ADD, rank, pack_keys(keys))
 
-    def unregister_blocks(self, rank: int, keys: Sequence[BlockHash]) -> None:
+    def unregister_blocks(self, rank: int, keys: Keys) -> None:
         if rank not in self._addresses:
             return  # the replica was forgotten meanwhile: nothing left to remove
-        self._change(IndexChange(IndexChange.REMOVE, rank, tuple(keys)))
+        self._change(IndexChange.REMOVE, rank, pack_keys(keys))
+
+    def update_blocks(self, rank: int, dropped: Keys, added: Keys) -> None:
+        """A replica's net update in one call, drops first (what ``TrackerUpdates``
+        sends): at fleet scale the tracker's cost is mostly per call, not per key."""
+        if len(dropped):
+            self.unregister_blocks(rank, dropped)
+        if len(added):
+            self.register_blocks(rank, added)
 
     def query_prefix(self, rank: int, keys: Sequence[BlockHash]) -> PrefixHit | None:
         """Longest contiguous run of leading ``keys`` held by one replica != ``rank``,
@@ -99,9 +112,10 @@ class BlockTrackerActor(xo.StatelessActor):
     def forget_replica(self, rank: int) -> None:
         """A replica went away: drop it and everything it held."""
         if rank in self._addresses:
-            self._change(IndexChange(IndexChange.FORGET, rank))
+            self._change(IndexChange.FORGET, rank)
         self._addresses.pop(rank, None)
         self._mirrors.pop(rank, None)
+        self._answered.pop(rank, None)
 
     def replicas(self) -> dict[int, str]:
         return dict(self._addresses)
@@ -116,7 +130,13 @@ class BlockTrackerActor(xo.StatelessActor):
     ) -> TrackerChanges:
         """What replica ``rank``'s mirror, which has applied every change up to
         ``since`` (-1: nothing yet), must apply next; waits up to ``wait_s`` for a
-        change when there is none. Also records how far that mirror is."""
+        change when there is none. Also records how far that mirror is.
+
+        A mirror gets at most one answer per ``MIRROR_BATCH_S``: one that is behind
+        (the tracker changed while its last answer travelled) waits out the rest
+        of the window, so that under steady traffic each mirror costs the tracker
+        one answer per window, not one per round trip. Its lag stays within
+        about one window plus a round trip."""
         if since < 0 or since > self._version:
             self._mirrors.pop(rank, None)  # not a live mirror until it has a base
             return self._snapshot()
@@ -131,24 +151,21 @@ class BlockTrackerActor(xo.StatelessActor):
                 # this one closely travel in the same answer, so that a mirror
                 # polls at most about once per batch window, not once per change.
                 await asyncio.sleep(MIRROR_BATCH_S)
-        if self._log and since < self._log[0][0] - 1:
+        else:
+            rest = self._answered.get(rank, 0.0) + MIRROR_BATCH_S - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
+        if not self._log.reaches(since):
             return self._snapshot()  # the log no longer reaches back that far
+        if rank in self._addresses:
+            self._answered[rank] = time.monotonic()
         return TrackerChanges(
-            self._version, False, self._changes_since(since), self._address_list()
+            self._version,
+            False,
+            (),
+            self._address_list(),
+            self._log.since(since, self._version),
         )
-
-    def _changes_since(self, since: int) -> tuple[IndexChange, ...]:
-        """The logged changes after version ``since``, oldest first. Walks back
-        from the newest only as far as needed: the log may hold tens of thousands
-        of changes, and this runs on every poll of every mirror, in the
-        supervisor's process, which also serves the REST API."""
-        newer: list[IndexChange] = []
-        for version, change in reversed(self._log):
-            if version <= since:
-                break
-            newer.append(change)
-        newer.reverse()
-        return tuple(newer)
 
     def wake_mirrors(self) -> None:
         """End every waiting poll now (with no change): a mirror that is stopping
@@ -163,11 +180,14 @@ class BlockTrackerActor(xo.StatelessActor):
         return versions
 
     def _snapshot(self) -> TrackerChanges:
-        changes = tuple(
-            IndexChange(IndexChange.ADD, rank, keys)
-            for rank, keys in self._index.blocks_by_rank().items()
+        """The whole index, encoded once per version: mirrors starting together
+        (a deployment coming up) share it."""
+        if self._snapshot_of[0] != self._version:
+            blocks = self._index.blocks_by_rank().items()
+            self._snapshot_of = (self._version, encode_snapshot(blocks))
+        return TrackerChanges(
+            self._version, True, (), self._address_list(), self._snapshot_of[1]
         )
-        return TrackerChanges(self._version, True, changes, self._address_list())
 
     def _address_list(self) -> tuple[tuple[int, str], ...]:
         return tuple(self._addresses.items())
@@ -185,16 +205,13 @@ class BlockTrackerActor(xo.StatelessActor):
         live = self._live_mirrors()
         return min((version for _, (version, _) in live), default=None)
 
-    def _change(self, change: IndexChange) -> None:
+    def _change(self, op: str, rank: int, packed_keys: bytes = b"") -> None:
         self._version += 1
-        if change.op == IndexChange.ADD:
-            self._index.add(change.rank, change.keys, self._version)
-        elif change.op == IndexChange.REMOVE:
-            self._index.remove(change.rank, change.keys)
+        if op == IndexChange.ADD:
+            self._index.add(rank, unpack_keys(packed_keys), self._version)
+        elif op == IndexChange.REMOVE:
+            self._index.remove(rank, unpack_keys(packed_keys))
         else:
-            self._index.forget(change.rank)
-        self._log.append((self._version, change))
-        self._log_keys += len(change.keys)
-        while self._log_keys > CHANGE_LOG_KEYS and len(self._log) > 1:
-            self._log_keys -= len(self._log.popleft()[1].keys)
+            self._index.forget(rank)
+        self._log.append(self._version, encode(op, rank, packed_keys))
         self.wake_mirrors()

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 from .aio import with_deadline
+from .change_log import decode, unpack_keys
 from .hashing import BlockHash
 from .prefix_index import PrefixIndex
 from .wire import IndexChange, PrefixHit, TrackerChanges
@@ -122,6 +123,13 @@ class TrackerMirror:
                     self._index.remove(change.rank, change.keys)
                 else:
                     self._index.forget(change.rank)
+            for op, rank, packed_keys in decode(changes.packed):
+                if op == IndexChange.ADD:
+                    self._index.add(rank, unpack_keys(packed_keys))
+                elif op == IndexChange.REMOVE:
+                    self._index.remove(rank, unpack_keys(packed_keys))
+                else:
+                    self._index.forget(rank)
             self._addresses = dict(changes.addresses)
             self._version = changes.version
         self.polls += 1

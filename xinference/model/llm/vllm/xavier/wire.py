@@ -174,13 +174,16 @@ class TrackerChanges:
 
     With ``reset`` the changes rebuild the index from empty (the mirror asked from
     scratch, or fell further behind than the tracker's change log reaches).
-    ``addresses`` is every registered replica's transfer actor address.
+    ``addresses`` is every registered replica's transfer actor address. The tracker
+    sends its changes in ``packed``, records of ``change_log.py``, applied after
+    ``changes``; ``change_log.all_changes`` reads both as ``IndexChange``.
     """
 
     version: int
     reset: bool
     changes: tuple[IndexChange, ...]
     addresses: tuple[tuple[int, str], ...]
+    packed: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from ..change_log import pack_keys
 from ..hashing import BlockHash
 from ..stats import ActorCounters
 
@@ -71,14 +72,13 @@ class TrackerUpdates:
             keys_added, keys_dropped = net_tracker_change(self._queue)
             self._queue.clear()
             try:
-                if keys_dropped:
-                    await self._deadline(
-                        self.tracker.unregister_blocks(self._rank, keys_dropped)
+                # One call, packed keys: the tracker's cost is mostly per call,
+                # and it logs the bytes as they arrive.
+                await self._deadline(
+                    self.tracker.update_blocks(
+                        self._rank, pack_keys(keys_dropped), pack_keys(keys_added)
                     )
-                if keys_added:
-                    await self._deadline(
-                        self.tracker.register_blocks(self._rank, keys_added)
-                    )
+                )
             except Exception as exc:  # logged and counted; see below
                 # Not fatal: a key the tracker missed is a miss for peers; a stale
                 # entry makes a peer's reservation here come back short, which it

@@ -1,0 +1,134 @@
+"""The tracker's change log, kept and sent as packed bytes.
+
+At fleet scale every change of the index fans out to every replica's mirror. Sent as
+one pickled ``IndexChange`` per change, each poll of each mirror re-encoded the same
+changes object by object, and that encoding became the tracker's largest cost from
+eight mirrors on (see benchmark/results/index-scale.md). Here a change is encoded
+once, when it is logged, as a record:
+
+    op (1 byte)  rank (int32)  count (uint32)  count keys of KEY_BYTES each
+
+all little-endian, and a mirror's answer is the concatenation of the records after
+its version: one ``bytes`` object, joined once per version range and handed to every
+mirror that asks for that range (mirrors woken by the same change ask for the same
+one). Replicas send their keys packed the same way (``pack_keys``), so that the
+tracker logs what it received without re-encoding it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+
+from .hashing import BlockHash
+from .wire import IndexChange, TrackerChanges
+
+KEY_BYTES = 16  # a BlockHash
+_HEADER = struct.Struct("<BiI")
+_OPS = (IndexChange.ADD, IndexChange.REMOVE, IndexChange.FORGET)
+_OP_CODES = {op: code for code, op in enumerate(_OPS)}
+
+# keys of one update: a sequence of BlockHash, or those keys packed (``pack_keys``)
+Keys = Sequence[BlockHash] | bytes
+
+
+def pack_keys(keys: Keys) -> bytes:
+    """Keys as one bytes object, KEY_BYTES each."""
+    if isinstance(keys, bytes):
+        packed = keys
+    else:
+        packed = b"".join(keys)
+        if len(packed) != KEY_BYTES * len(keys):
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+    if len(packed) % KEY_BYTES:
+        raise ValueError(f"packed keys of {len(packed)} bytes: not {KEY_BYTES} each")
+    return packed
+
+
+def unpack_keys(packed: bytes) -> list[BlockHash]:
+    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+
+
+def encode(op: str, rank: int, packed_keys: bytes = b"") -> bytes:
+    """One change as a record (``packed_keys`` as ``pack_keys`` made them)."""
+    count = len(packed_keys) // KEY_BYTES
+    return _HEADER.pack(_OP_CODES[op], rank, count) + packed_keys
+
+
+def decode(records: bytes) -> Iterator[tuple[str, int, bytes]]:
+    """(op, rank, packed keys) of each record, in order."""
+    offset, end = 0, len(records)
+    while offset < end:
+        code, rank, count = _HEADER.unpack_from(records, offset)
+        offset += _HEADER.size
+        stop = offset + count * KEY_BYTES
+        if code >= len(_OPS) or stop > end:
+            raise ValueError(f"corrupt change record at byte {offset - _HEADER.size}")
+        yield _OPS[code], rank, records[offset:stop]
+        offset = stop
+
+
+def decode_changes(records: bytes) -> tuple[IndexChange, ...]:
+    """The records as ``IndexChange`` objects (tests, tools; mirrors use ``decode``)."""
+    return tuple(
+        IndexChange(op, rank, tuple(unpack_keys(keys)))
+        for op, rank, keys in decode(records)
+    )
+
+
+def all_changes(changes: TrackerChanges) -> tuple[IndexChange, ...]:
+    """Every change of an answer, in the order a mirror applies them."""
+    return changes.changes + decode_changes(changes.packed)
+
+
+def encode_snapshot(blocks_by_rank: Iterable[tuple[int, Iterable[BlockHash]]]) -> bytes:
+    """A whole index as ADD records, one per rank."""
+    return b"".join(
+        encode(IndexChange.ADD, rank, b"".join(keys)) for rank, keys in blocks_by_rank
+    )
+
+
+class ChangeLog:
+    """The last changes, at least ``max_keys`` keys' worth, as encoded records."""
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max_keys
+        self._records: deque[tuple[int, bytes]] = deque()  # (version, record)
+        self._keys = 0
+        # since -> the records after it, up to ``_joined_upto``: mirrors woken by one
+        # change ask for the same range, and are answered with the same bytes
+        self._joined: dict[int, bytes] = {}
+        self._joined_upto = 0
+
+    def append(self, version: int, record: bytes) -> None:
+        self._records.append((version, record))
+        self._keys += _keys_in(record)
+        while self._keys > self.max_keys and len(self._records) > 1:
+            self._keys -= _keys_in(self._records.popleft()[1])
+
+    def reaches(self, since: int) -> bool:
+        """Whether the log holds every change after version ``since``."""
+        return not self._records or since >= self._records[0][0] - 1
+
+    def since(self, since: int, version: int) -> bytes:
+        """The records after ``since`` up to the newest, ``version`` (check
+        ``reaches`` first). Walks back from the newest only as far as needed: this
+        runs on every poll of every mirror, in the supervisor's process."""
+        if version != self._joined_upto:
+            self._joined.clear()
+            self._joined_upto = version
+        joined = self._joined.get(since)
+        if joined is None:
+            newer = []
+            for logged, record in reversed(self._records):
+                if logged <= since:
+                    break
+                newer.append(record)
+            newer.reverse()
+            joined = self._joined[since] = b"".join(newer)
+        return joined
+
+
+def _keys_in(record: bytes) -> int:
+    return (len(record) - _HEADER.size) // KEY_BYTES
