@@ -1,6 +1,6 @@
 """The command line, in Xinference's style.
 
-    xinference-local [--host H] [--port P]          supervisor + worker + HTTP server
+    xinference-local [--host H] [--port P] [--auth/--no-auth]   supervisor + worker + HTTP
     xinference-supervisor -H H -p P [--supervisor-port SP]     supervisor + HTTP server
     xinference-worker -e http://H:P -H WORKER_HOST [--worker-port WP]   one per host
     xinference launch --model-engine vllm --model-path PATH --replica 2 \\
@@ -10,6 +10,7 @@
         --max_num_batched_tokens 1024 -e http://127.0.0.1:9997
     xinference list -e URL
     xinference terminate --model-uid UID
+    xinference login -u admin [-p PASSWORD]      keeps a token for the other commands
 
 Upstream Xinference's option names and short flags work; further ``--key value``
 pairs set an option of that name or a vLLM engine argument. The client commands
@@ -43,28 +44,63 @@ PROGRESS_POLL_S = 1.0
 
 # ---- xinference-local -------------------------------------------------------------
 
+auth_option = click.option(
+    "--auth/--no-auth",
+    default=None,
+    help="authenticate API calls (default: $XINFERENCE_AUTH_ADVANCED, else off on "
+    "a loopback --host and on for any other); --no-auth serves any host open",
+)
+cluster_secret_option = click.option(
+    "--cluster-secret",
+    envvar="XINFERENCE_CLUSTER_SECRET",
+    show_envvar=True,
+    default=None,
+    help="the secret a worker shows to join (the supervisor's default with "
+    "authentication on: $XINFERENCE_HOME/auth/cluster.secret, made once)",
+)
+
+
+def _server_auth(host: str, auth: bool | None, cluster_secret: str | None) -> Any:
+    """The server's AuthService, after saying which way it was decided."""
+    from ..api.auth.settings import InsecureBind, check_bind, service_for_bind
+
+    try:
+        service, decision = service_for_bind(host, auth, cluster_secret)
+        check_bind(host, service.enabled, service.chosen)
+    except (InsecureBind, ValueError, OSError) as error:
+        raise click.ClickException(str(error)) from None
+    state = "on" if service.enabled else "OFF"
+    click.echo(f"authentication {state} ({decision.reason})")
+    if service.enabled and service.store is not None and not service.store.has_admin():
+        click.echo(
+            "no admin yet: create one on the web page or with POST /v1/admin/setup"
+        )
+    return service
+
 
 @click.command("local")
 @click.option("--host", "-H", default="127.0.0.1", show_default=True)
 @click.option(
     "--port", "-p", default=9997, show_default=True, type=int, help="0: any free port"
 )
+@auth_option
 @click.option(
     "--log-level",
     default="INFO",
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def local(host: str, port: int, log_level: str) -> None:
+def local(host: str, port: int, auth: bool | None, log_level: str) -> None:
     """Run a supervisor, a worker and the HTTP API in this process."""
     configure_logging(log_level)
-    asyncio.run(_serve_local(host, port))
+    service = _server_auth(host, auth, None)
+    asyncio.run(_serve_local(host, port, service))
 
 
-async def _serve_local(host: str, port: int) -> None:
+async def _serve_local(host: str, port: int, auth: Any) -> None:
     from .local import start_local_cluster
 
-    cluster = await start_local_cluster(host, port)
+    cluster = await start_local_cluster(host, port, auth=auth)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -108,27 +144,40 @@ log_level_option = click.option(
     help="seconds without a heartbeat before a worker is gone (default "
     "$XINFERENCE_HEARTBEAT_TIMEOUT_S or 5)",
 )
+@auth_option
+@cluster_secret_option
 @log_level_option
 def supervisor(
     host: str,
     port: int,
     supervisor_port: int,
     heartbeat_timeout: float | None,
+    auth: bool | None,
+    cluster_secret: str | None,
     log_level: str,
 ) -> None:
     """Run the supervisor and the HTTP API; workers join with `xinference-worker`."""
     configure_logging(log_level)
-    asyncio.run(_serve_supervisor(host, port, supervisor_port, heartbeat_timeout))
+    service = _server_auth(host, auth, cluster_secret)
+    asyncio.run(
+        _serve_supervisor(host, port, supervisor_port, heartbeat_timeout, service)
+    )
 
 
 async def _serve_supervisor(
-    host: str, port: int, supervisor_port: int, heartbeat_timeout: float | None
+    host: str,
+    port: int,
+    supervisor_port: int,
+    heartbeat_timeout: float | None,
+    auth: Any,
 ) -> None:
     from ..core.heartbeat import HeartbeatSettings
     from .cluster import start_supervisor
 
     heartbeat = HeartbeatSettings.from_env(timeout_s=heartbeat_timeout)
-    node = await start_supervisor(host, port, supervisor_port, heartbeat=heartbeat)
+    node = await start_supervisor(
+        host, port, supervisor_port, heartbeat=heartbeat, auth=auth
+    )
     stop = _stop_event()
     click.echo(
         f"Xinference serving at {node.endpoint} "
@@ -170,6 +219,7 @@ async def _serve_supervisor(
     type=float,
     help="seconds between heartbeats (default $XINFERENCE_HEARTBEAT_INTERVAL_S or 1)",
 )
+@cluster_secret_option
 @log_level_option
 def worker(
     endpoint: str | None,
@@ -177,6 +227,7 @@ def worker(
     host: str,
     worker_port: int,
     heartbeat_interval: float | None,
+    cluster_secret: str | None,
     log_level: str,
 ) -> None:
     """Run a worker on this host: it registers with the supervisor and hosts the
@@ -188,7 +239,12 @@ def worker(
     configure_logging(log_level)
     asyncio.run(
         _serve_worker(
-            endpoint, supervisor_address, host, worker_port, heartbeat_interval
+            endpoint,
+            supervisor_address,
+            host,
+            worker_port,
+            heartbeat_interval,
+            cluster_secret,
         )
     )
 
@@ -199,7 +255,9 @@ async def _serve_worker(
     host: str,
     worker_port: int,
     heartbeat_interval: float | None,
+    cluster_secret: str | None,
 ) -> None:
+    from ..core.cluster_secret import WorkerRefused
     from ..core.heartbeat import HeartbeatSettings
     from .cluster import start_worker
 
@@ -211,11 +269,25 @@ async def _serve_worker(
             supervisor_address=supervisor_address,
             worker_port=worker_port,
             heartbeat=heartbeat,
+            cluster_secret=cluster_secret,
         )
+    except httpx.HTTPStatusError as error:
+        if error.response.status_code in (401, 403):
+            raise click.ClickException(
+                f"{endpoint} refused to tell the supervisor's address "
+                f"({error.response.status_code}): give the cluster's secret "
+                "(--cluster-secret or $XINFERENCE_CLUSTER_SECRET)"
+            ) from None
+        raise click.ClickException(
+            f"cannot ask {endpoint} for the supervisor's address: "
+            f"{error.response.status_code}"
+        ) from None
     except httpx.HTTPError as error:
         raise click.ClickException(
             f"cannot ask {endpoint} for the supervisor's address: {error!r}"
         ) from None
+    except WorkerRefused as error:
+        raise click.ClickException(str(error)) from None
     stop = _stop_event()
     click.echo(
         f"Xinference worker at {node.address} (supervisor {node.supervisor_address})"

@@ -42,10 +42,15 @@ class AuthService:
     signer: TokenSigner | None = None
     throttle: LoginThrottle | None = None
     cluster_secret: str | None = None
+    # off because the operator said so (``--no-auth``): then even a reachable
+    # bind serves (``settings.check_bind``)
+    chosen: bool = False
 
     @classmethod
-    def disabled(cls, cluster_secret: str | None = None) -> AuthService:
-        return cls(enabled=False, cluster_secret=cluster_secret)
+    def disabled(
+        cls, cluster_secret: str | None = None, chosen: bool = False
+    ) -> AuthService:
+        return cls(enabled=False, cluster_secret=cluster_secret, chosen=chosen)
 
     @classmethod
     def open(

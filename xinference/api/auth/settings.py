@@ -10,9 +10,14 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+from .service import AuthService
+from .store import auth_dir, read_or_create_secret
 
 AUTH_ENV = "XINFERENCE_AUTH_ADVANCED"
 CLUSTER_SECRET_ENV = "XINFERENCE_CLUSTER_SECRET"
+CLUSTER_SECRET_FILE = "cluster.secret"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -76,3 +81,21 @@ def check_bind(host: str, enabled: bool, explicit: bool) -> None:
         f"Turn authentication on (--auth, {AUTH_ENV}=true), bind 127.0.0.1, or say "
         f"--no-auth ({AUTH_ENV}=false) to serve it open on purpose."
     )
+
+
+def service_for_bind(
+    host: str,
+    flag: bool | None,
+    cluster_secret: str | None = None,
+    home: Path | None = None,
+) -> tuple[AuthService, AuthDecision]:
+    """The server's authentication as ``decide`` has it, opened (store and
+    secrets under ``$XINFERENCE_HOME/auth``). With authentication on and no
+    cluster secret given, the cluster's is read from (or created once in)
+    ``auth/cluster.secret``."""
+    decision = decide(host, flag)
+    if not decision.enabled:
+        return AuthService.disabled(cluster_secret, chosen=decision.explicit), decision
+    if cluster_secret is None:
+        cluster_secret = read_or_create_secret(auth_dir(home) / CLUSTER_SECRET_FILE)
+    return AuthService.open(home, cluster_secret=cluster_secret), decision
