@@ -37,6 +37,7 @@ from ..core.logs import configure as configure_logging
 from ..core.messages import format_counters
 from ..core.options import default_model_uid
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
+from .cli_auth import credential, explain, login
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
 PROGRESS_POLL_S = 1.0
@@ -326,7 +327,8 @@ api_key_option = click.option(
     "--api-key",
     "-ak",
     default=None,
-    help="accepted for upstream compatibility; this server has no authentication",
+    help="an API key (or access token) sent as the bearer; default: the token "
+    "`xinference login` kept for the endpoint",
 )
 
 
@@ -346,14 +348,15 @@ def cli(ctx: click.Context, endpoint: str) -> None:
 cli.add_command(local)
 cli.add_command(supervisor)
 cli.add_command(worker)
+cli.add_command(login)
 
 
-def _endpoint(ctx: click.Context, endpoint: str | None, api_key: str | None) -> str:
-    if api_key is not None:
-        click.echo(
-            "note: --api-key ignored: this server has no authentication", err=True
-        )
-    return endpoint or ctx.obj or DEFAULT_ENDPOINT
+def _endpoint(
+    ctx: click.Context, endpoint: str | None, api_key: str | None
+) -> tuple[str, str | None]:
+    """The endpoint to call and the credential to send it."""
+    endpoint = endpoint or ctx.obj or DEFAULT_ENDPOINT
+    return endpoint, credential(endpoint, api_key)
 
 
 @cli.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
@@ -447,7 +450,7 @@ def launch(
     `--max_num_batched_tokens 1024`) set the option of that name, or else the vLLM
     engine argument, checked by vLLM's own parser before anything starts.
     """
-    endpoint = _endpoint(ctx, endpoint, api_key)
+    endpoint, key = _endpoint(ctx, endpoint, api_key)
     options.update(
         model_size_in_billions=size_in_billions,
         n_gpu=n_gpu,
@@ -468,17 +471,17 @@ def launch(
     if uid is None and (options["model_name"] or options["model_path"]):
         uid = default_model_uid(options["model_name"], options["model_path"])
         options["model_uid"] = uid
-    client = Client(endpoint)
+    client = Client(endpoint, api_key=key)
     done = threading.Event()
     watcher = threading.Thread(
-        target=_show_progress, args=(endpoint, uid, done), daemon=True
+        target=_show_progress, args=(endpoint, key, uid, done), daemon=True
     )
     if uid is not None:
         watcher.start()
     try:
         deployment = client.launch_model_detailed(**options)
     except XinferenceError as error:
-        raise click.ClickException(error.detail) from None
+        raise click.ClickException(explain(error, endpoint)) from None
     except httpx.TransportError as error:
         raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
     finally:
@@ -528,10 +531,12 @@ def _free_arguments(args: list[str]) -> dict[str, Any]:
     return free
 
 
-def _show_progress(endpoint: str, uid: str, done: threading.Event) -> None:
+def _show_progress(
+    endpoint: str, key: str | None, uid: str, done: threading.Event
+) -> None:
     """Print the launch's progress whenever it changes (polls its own client)."""
     last = None
-    with Client(endpoint, timeout=10.0) as client:
+    with Client(endpoint, timeout=10.0, api_key=key) as client:
         while not done.wait(PROGRESS_POLL_S):
             try:
                 progress = client.progress(uid)
@@ -552,12 +557,12 @@ def _show_progress(endpoint: str, uid: str, done: threading.Event) -> None:
 @click.pass_context
 def list_models(ctx: click.Context, endpoint: str | None, api_key: str | None) -> None:
     """List launched models."""
-    endpoint = _endpoint(ctx, endpoint, api_key)
+    endpoint, key = _endpoint(ctx, endpoint, api_key)
     try:
-        with Client(endpoint) as client:
+        with Client(endpoint, api_key=key) as client:
             models = client.list_models()
     except XinferenceError as error:
-        raise click.ClickException(error.detail) from None
+        raise click.ClickException(explain(error, endpoint)) from None
     except httpx.TransportError as error:
         raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
     if not models:
@@ -589,12 +594,12 @@ def terminate(
 ) -> None:
     """Terminate a model (a launch in progress too); prints each replica's final
     Xavier counters."""
-    endpoint = _endpoint(ctx, endpoint, api_key)
+    endpoint, key = _endpoint(ctx, endpoint, api_key)
     try:
-        with Client(endpoint) as client:
+        with Client(endpoint, api_key=key) as client:
             result = client.terminate_model(model_uid)
     except XinferenceError as error:
-        raise click.ClickException(error.detail) from None
+        raise click.ClickException(explain(error, endpoint)) from None
     except httpx.TransportError as error:
         raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
     click.echo(f"Terminated {model_uid}")
