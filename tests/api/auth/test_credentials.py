@@ -151,3 +151,22 @@ def test_a_secret_is_made_once(tmp_path):
     first = read_or_create_secret(tmp_path / "s")
     assert read_or_create_secret(tmp_path / "s") == first and len(first) >= 40
     assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o600
+
+
+async def test_with_authentication_off_everything_is_open(supervisor_address):
+    """What upstream's client asks first, and what an open server answers."""
+    import httpx
+
+    from xinference.api.restful_api import create_app
+
+    transport = httpx.ASGITransport(app=create_app(supervisor_address))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        assert (await http.get("/v1/cluster/auth")).json() == {"auth": False}
+        assert (await http.get("/v1/admin/setup/status")).json() == {
+            "auth": False,
+            "needs_setup": False,
+        }
+        assert (await http.get("/v1/models")).status_code == 200
+        assert (await http.get("/v1/address")).status_code == 200
+        login = await http.post("/token", json={"username": "a", "password": "b"})
+        assert login.status_code == 400 and "off" in login.json()["detail"]
