@@ -1,5 +1,6 @@
-"""The command line's side of authentication: ``xinference login``, the
-credential each client command sends, and what a 401 or 403 means to the user.
+"""The command line's side of authentication: the servers' ``--auth/--no-auth``
+and ``--cluster-secret``, ``xinference login``, the credential each client command
+sends, and what a 401 or 403 means to the user.
 
 ``--api-key/-ak`` wins; otherwise the token ``xinference login`` kept for that
 endpoint (in ``$XINFERENCE_HOME/auth/cli-tokens.json``, 0600) is sent.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 import httpx
@@ -18,6 +20,44 @@ from ..api.auth.store import auth_dir
 from ..client.restful_client import Client, XinferenceError
 
 TOKENS_FILE = "cli-tokens.json"
+
+# ---- servers: xinference-local, -supervisor and -worker ------------------------
+
+auth_option = click.option(
+    "--auth/--no-auth",
+    default=None,
+    help="authenticate API calls (default: $XINFERENCE_AUTH_ADVANCED, else off on "
+    "a loopback --host and on for any other); --no-auth serves any host open",
+)
+cluster_secret_option = click.option(
+    "--cluster-secret",
+    envvar="XINFERENCE_CLUSTER_SECRET",
+    show_envvar=True,
+    default=None,
+    help="the secret a worker shows to join (the supervisor's default with "
+    "authentication on: $XINFERENCE_HOME/auth/cluster.secret, made once)",
+)
+
+
+def server_auth(host: str, auth: bool | None, cluster_secret: str | None) -> Any:
+    """The server's AuthService, after saying which way it was decided."""
+    from ..api.auth.settings import InsecureBind, check_bind, service_for_bind
+
+    try:
+        service, decision = service_for_bind(host, auth, cluster_secret)
+        check_bind(host, service.enabled, service.chosen)
+    except (InsecureBind, ValueError, OSError) as error:
+        raise click.ClickException(str(error)) from None
+    state = "on" if service.enabled else "OFF"
+    click.echo(f"authentication {state} ({decision.reason})")
+    if service.enabled and service.store is not None and not service.store.has_admin():
+        click.echo(
+            "no admin yet: create one on the web page or with POST /v1/admin/setup"
+        )
+    return service
+
+
+# ---- clients: the credential each command sends ----------------------------------
 
 
 def _tokens_path() -> Path:

@@ -37,46 +37,20 @@ from ..core.logs import configure as configure_logging
 from ..core.messages import format_counters
 from ..core.options import default_model_uid
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
-from .cli_auth import credential, explain, login
+from .cli_auth import (
+    auth_option,
+    cluster_secret_option,
+    credential,
+    explain,
+    login,
+    server_auth,
+)
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
 PROGRESS_POLL_S = 1.0
 
 
 # ---- xinference-local -------------------------------------------------------------
-
-auth_option = click.option(
-    "--auth/--no-auth",
-    default=None,
-    help="authenticate API calls (default: $XINFERENCE_AUTH_ADVANCED, else off on "
-    "a loopback --host and on for any other); --no-auth serves any host open",
-)
-cluster_secret_option = click.option(
-    "--cluster-secret",
-    envvar="XINFERENCE_CLUSTER_SECRET",
-    show_envvar=True,
-    default=None,
-    help="the secret a worker shows to join (the supervisor's default with "
-    "authentication on: $XINFERENCE_HOME/auth/cluster.secret, made once)",
-)
-
-
-def _server_auth(host: str, auth: bool | None, cluster_secret: str | None) -> Any:
-    """The server's AuthService, after saying which way it was decided."""
-    from ..api.auth.settings import InsecureBind, check_bind, service_for_bind
-
-    try:
-        service, decision = service_for_bind(host, auth, cluster_secret)
-        check_bind(host, service.enabled, service.chosen)
-    except (InsecureBind, ValueError, OSError) as error:
-        raise click.ClickException(str(error)) from None
-    state = "on" if service.enabled else "OFF"
-    click.echo(f"authentication {state} ({decision.reason})")
-    if service.enabled and service.store is not None and not service.store.has_admin():
-        click.echo(
-            "no admin yet: create one on the web page or with POST /v1/admin/setup"
-        )
-    return service
 
 
 @click.command("local")
@@ -94,7 +68,7 @@ def _server_auth(host: str, auth: bool | None, cluster_secret: str | None) -> An
 def local(host: str, port: int, auth: bool | None, log_level: str) -> None:
     """Run a supervisor, a worker and the HTTP API in this process."""
     configure_logging(log_level)
-    service = _server_auth(host, auth, None)
+    service = server_auth(host, auth, None)
     asyncio.run(_serve_local(host, port, service))
 
 
@@ -159,7 +133,7 @@ def supervisor(
 ) -> None:
     """Run the supervisor and the HTTP API; workers join with `xinference-worker`."""
     configure_logging(log_level)
-    service = _server_auth(host, auth, cluster_secret)
+    service = server_auth(host, auth, cluster_secret)
     asyncio.run(
         _serve_supervisor(host, port, supervisor_port, heartbeat_timeout, service)
     )
