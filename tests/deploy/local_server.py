@@ -149,13 +149,19 @@ class LocalServer(CommandProcess):
     """``xinference local`` on 127.0.0.1, any free port (upstream's short flags,
     -H and -p, exercised by every server test)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        host: str = "127.0.0.1",
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(
             "server",
-            ["local", "-H", "127.0.0.1", "-p", "0"],
+            ["local", "-H", host, "-p", "0", *extra_args],
             workdir,
             _ENDPOINT.pattern,
-            engine_env(workdir),
+            engine_env(workdir) | (env or {}),
         )
 
     @property

@@ -19,6 +19,10 @@
     GET    /metrics                   Prometheus text, per replica
     GET    /                          the web page (``web/``, static files under /web)
 
+Authentication (``auth/``: /token, /v1/cluster/auth, /v1/admin/...) checks every
+route's permission in a middleware; it is off unless ``create_app`` gets an
+enabled ``AuthService``.
+
 The app talks to the supervisor for management and to the replicas (through
 ``ReplicaDispatcher``) for serving. A response served by a replica names it in the
 ``X-Xinference-Replica`` header; a non-streamed one also says in
@@ -53,6 +57,7 @@ from ..core.messages import (
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
 from ..core.options import LaunchOptionError
 from ..core.supervisor import LaunchCancelled, SupervisorActor
+from .auth import AuthMiddleware, AuthService, auth_router
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -107,9 +112,14 @@ class ModelHub:
         self._dispatchers.pop(model_uid, None)
 
 
-def create_app(supervisor_address: str) -> FastAPI:
-    """The FastAPI app for the supervisor at ``supervisor_address``."""
+def create_app(supervisor_address: str, auth: AuthService | None = None) -> FastAPI:
+    """The FastAPI app for the supervisor at ``supervisor_address`` (open unless
+    ``auth`` is an enabled service)."""
     app = FastAPI(title="Xinference", version="0.1.0")
+    # ---- authentication (auth/): every route, including those below ---------------
+    auth = auth or AuthService.disabled()
+    app.add_middleware(AuthMiddleware, service=auth)
+    app.include_router(auth_router(auth))
     hub_cell: list[ModelHub] = []
 
     async def hub() -> ModelHub:

@@ -10,6 +10,9 @@ for chunk in model.chat([{"role": "user", "content": "hi"}], stream=True): ...
 model.chat(messages, generate_config={"max_tokens": 64, "stream": False})
 client.terminate_model(uid)
 
+With authentication on, give ``api_key=`` (an API key or an access token) or call
+``client.login(username, password)``; both are sent as ``Authorization: Bearer``.
+
 The calls upstream Xinference's client has keep its signatures and return shapes
 (``list_models`` is a dict by uid, ``generate``/``chat`` take ``generate_config``).
 """
@@ -37,9 +40,26 @@ class XinferenceError(RuntimeError):
 
 
 class Client:
-    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+    ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self._http = httpx.Client(base_url=self.endpoint, timeout=timeout)
+        if api_key:
+            self._http.headers["Authorization"] = f"Bearer {api_key}"
+
+    def login(self, username: str, password: str) -> str:
+        """Log in; later calls carry the access token, which is also returned."""
+        token = str(
+            self._call(
+                "POST", "/token", json={"username": username, "password": password}
+            )["access_token"]
+        )
+        self._http.headers["Authorization"] = f"Bearer {token}"
+        return token
 
     def close(self) -> None:
         self._http.close()

@@ -30,6 +30,7 @@ import xoscar as xo
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
 from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
+from .cluster_secret import WorkerRefused, secret_matches
 from .heartbeat import HeartbeatSettings, WorkerLiveness, watch_workers
 from .liveness import PROBE_TIMEOUT_S, LivenessMonitor
 from .messages import (
@@ -125,8 +126,14 @@ class _Deployment:
 class SupervisorActor(xo.StatelessActor):
     """One per cluster. Also hosts each Xavier model's block tracker."""
 
-    def __init__(self, heartbeat: HeartbeatSettings | None = None) -> None:
+    def __init__(
+        self,
+        heartbeat: HeartbeatSettings | None = None,
+        cluster_secret: str | None = None,
+    ) -> None:
         super().__init__()
+        # None: any worker joins (a cluster on one host, authentication off)
+        self._cluster_secret = cluster_secret
         self._workers: dict[str, Any] = {}  # worker address -> ref (live ones)
         self._models: dict[str, _Deployment] = {}  # model uid -> record
         self._liveness = WorkerLiveness(heartbeat or HeartbeatSettings.from_env())
@@ -145,12 +152,23 @@ class SupervisorActor(xo.StatelessActor):
         if self._watch is not None:
             self._watch.cancel()
 
-    async def register_worker(self, address: str, uid: str | bytes) -> list[str]:
+    async def register_worker(
+        self, address: str, uid: str | bytes, cluster_secret: str | None = None
+    ) -> list[str]:
         """Add a worker (or take back one that was declared gone); the sub-pool
         addresses of the replicas it hosts that still serve (a worker registering
         again removes any other sub-pool it has: after a network cut its replicas
         were declared gone). A worker in this supervisor's own process
-        (``xinference-local``) is not watched."""
+        (``xinference-local``) is not watched. With a cluster secret set, a
+        worker without it is refused (``WorkerRefused``)."""
+        if not secret_matches(self._cluster_secret, cluster_secret):
+            logger.warning(
+                "worker at %s refused: wrong or missing cluster secret", address
+            )
+            raise WorkerRefused(
+                f"the supervisor refused the worker at {address}: wrong or missing "
+                "cluster secret (--cluster-secret or $XINFERENCE_CLUSTER_SECRET)"
+            )
         self._workers[address] = await xo.actor_ref(address=address, uid=uid)
         if address != self.address:
             self._liveness.register(address, time.monotonic())

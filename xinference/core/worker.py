@@ -45,10 +45,12 @@ class WorkerActor(xo.StatelessActor):
         supervisor_address: str | None = None,
         gpus: Sequence[str] | None = None,
         heartbeat: HeartbeatSettings | None = None,
+        cluster_secret: str | None = None,
     ) -> None:
         super().__init__()
         self._pool = main_pool
         self._supervisor_address = supervisor_address
+        self._cluster_secret = cluster_secret  # shown to the supervisor to join
         self._gpus: tuple[str, ...] | None = None if gpus is None else tuple(gpus)
         # sub-pool address -> the pid of its process (for the leftover check)
         self._sub_pools: dict[str, int] = {}
@@ -88,7 +90,11 @@ class WorkerActor(xo.StatelessActor):
                 )
 
     async def _register(self) -> None:
-        live = set(await self._supervisor.register_worker(self.address, self.uid))
+        live = set(
+            await self._supervisor.register_worker(
+                self.address, self.uid, self._cluster_secret
+            )
+        )
         # Registering again (the supervisor restarted, or declared this worker gone
         # during a network cut): replicas it does not count as serving are gone
         # for good, so their sub-pools and engines go too.

@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import xoscar as xo
 
+from ..api.auth import AuthService
+from ..api.auth.settings import check_bind
 from ..core.heartbeat import HeartbeatSettings
 from ..core.supervisor import SupervisorActor
 from ..core.worker import WorkerActor
@@ -43,19 +45,26 @@ async def start_supervisor(
     *,
     heartbeat: HeartbeatSettings | None = None,
     access_log: bool = False,
+    auth: AuthService | None = None,
 ) -> SupervisorNode:
     """The supervisor's pool (on ``supervisor_port``; None or 0: any free port)
-    and the HTTP API (``port``; 0: any free port)."""
+    and the HTTP API (``port``; 0: any free port). Workers join only with
+    ``auth.cluster_secret`` when it is set."""
+    auth = auth or AuthService.disabled()
+    check_bind(host, auth.enabled, auth.chosen)
     pool = await xo.create_actor_pool(_pool_address(host, supervisor_port), n_process=0)
     address = pool.external_address
     try:
         supervisor = await xo.create_actor(
             SupervisorActor,
             heartbeat,
+            auth.cluster_secret,
             address=address,
             uid=SupervisorActor.default_uid(),
         )
-        server, task, bound_port = await serve_http(address, host, port, access_log)
+        server, task, bound_port = await serve_http(
+            address, host, port, access_log, auth
+        )
     except BaseException:
         await pool.stop()
         raise
@@ -83,11 +92,15 @@ class WorkerNode:
             await self.pool.stop()
 
 
-async def supervisor_address_of(endpoint: str) -> str:
-    """The supervisor's xoscar address, as its REST API tells it."""
+async def supervisor_address_of(
+    endpoint: str, cluster_secret: str | None = None
+) -> str:
+    """The supervisor's xoscar address, as its REST API tells it (with
+    authentication on, only to the cluster's secret or an admin)."""
     url = endpoint.rstrip("/") + "/v1/address"
+    headers = {"Authorization": f"Bearer {cluster_secret}"} if cluster_secret else {}
     async with httpx.AsyncClient(timeout=ADDRESS_LOOKUP_TIMEOUT_S) as client:
-        response = await client.get(url)
+        response = await client.get(url, headers=headers)
     response.raise_for_status()
     return str(response.json()["address"])
 
@@ -99,14 +112,16 @@ async def start_worker(
     supervisor_address: str | None = None,
     worker_port: int | None = None,
     heartbeat: HeartbeatSettings | None = None,
+    cluster_secret: str | None = None,
 ) -> WorkerNode:
     """A worker pool on ``host`` (``worker_port``; None or 0: any free port),
     registered with the supervisor found at ``supervisor_address`` or through the
-    REST ``endpoint``."""
+    REST ``endpoint``; ``cluster_secret`` is the one the supervisor was given.
+    A supervisor that refuses the worker raises ``WorkerRefused``."""
     if supervisor_address is None:
         if endpoint is None:
             raise ValueError("give the supervisor's endpoint or its address")
-        supervisor_address = await supervisor_address_of(endpoint)
+        supervisor_address = await supervisor_address_of(endpoint, cluster_secret)
     # auto_recover off, as in xinference-local: a replica sub-pool that died is the
     # supervisor's to notice (core/liveness.py), not xoscar's to restart engineless
     pool = await xo.create_actor_pool(
@@ -119,6 +134,7 @@ async def start_worker(
             pool,
             supervisor_address=supervisor_address,
             heartbeat=heartbeat,
+            cluster_secret=cluster_secret,
             address=address,
             uid=WorkerActor.default_uid(),
         )

@@ -1,6 +1,6 @@
 """The command line, in Xinference's style.
 
-    xinference-local [--host H] [--port P]          supervisor + worker + HTTP server
+    xinference-local [--host H] [--port P] [--auth/--no-auth]   supervisor + worker + HTTP
     xinference-supervisor -H H -p P [--supervisor-port SP]     supervisor + HTTP server
     xinference-worker -e http://H:P -H WORKER_HOST [--worker-port WP]   one per host
     xinference launch --model-engine vllm --model-path PATH --replica 2 \\
@@ -10,6 +10,7 @@
         --max_num_batched_tokens 1024 -e http://127.0.0.1:9997
     xinference list -e URL
     xinference terminate --model-uid UID
+    xinference login -u admin [-p PASSWORD]      keeps a token for the other commands
 
 Upstream Xinference's option names and short flags work; further ``--key value``
 pairs set an option of that name or a vLLM engine argument. The client commands
@@ -36,6 +37,14 @@ from ..core.logs import configure as configure_logging
 from ..core.messages import format_counters
 from ..core.options import default_model_uid
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
+from .cli_auth import (
+    auth_option,
+    cluster_secret_option,
+    credential,
+    explain,
+    login,
+    server_auth,
+)
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
 PROGRESS_POLL_S = 1.0
@@ -49,22 +58,24 @@ PROGRESS_POLL_S = 1.0
 @click.option(
     "--port", "-p", default=9997, show_default=True, type=int, help="0: any free port"
 )
+@auth_option
 @click.option(
     "--log-level",
     default="INFO",
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def local(host: str, port: int, log_level: str) -> None:
+def local(host: str, port: int, auth: bool | None, log_level: str) -> None:
     """Run a supervisor, a worker and the HTTP API in this process."""
     configure_logging(log_level)
-    asyncio.run(_serve_local(host, port))
+    service = server_auth(host, auth, None)
+    asyncio.run(_serve_local(host, port, service))
 
 
-async def _serve_local(host: str, port: int) -> None:
+async def _serve_local(host: str, port: int, auth: Any) -> None:
     from .local import start_local_cluster
 
-    cluster = await start_local_cluster(host, port)
+    cluster = await start_local_cluster(host, port, auth=auth)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -108,27 +119,40 @@ log_level_option = click.option(
     help="seconds without a heartbeat before a worker is gone (default "
     "$XINFERENCE_HEARTBEAT_TIMEOUT_S or 5)",
 )
+@auth_option
+@cluster_secret_option
 @log_level_option
 def supervisor(
     host: str,
     port: int,
     supervisor_port: int,
     heartbeat_timeout: float | None,
+    auth: bool | None,
+    cluster_secret: str | None,
     log_level: str,
 ) -> None:
     """Run the supervisor and the HTTP API; workers join with `xinference-worker`."""
     configure_logging(log_level)
-    asyncio.run(_serve_supervisor(host, port, supervisor_port, heartbeat_timeout))
+    service = server_auth(host, auth, cluster_secret)
+    asyncio.run(
+        _serve_supervisor(host, port, supervisor_port, heartbeat_timeout, service)
+    )
 
 
 async def _serve_supervisor(
-    host: str, port: int, supervisor_port: int, heartbeat_timeout: float | None
+    host: str,
+    port: int,
+    supervisor_port: int,
+    heartbeat_timeout: float | None,
+    auth: Any,
 ) -> None:
     from ..core.heartbeat import HeartbeatSettings
     from .cluster import start_supervisor
 
     heartbeat = HeartbeatSettings.from_env(timeout_s=heartbeat_timeout)
-    node = await start_supervisor(host, port, supervisor_port, heartbeat=heartbeat)
+    node = await start_supervisor(
+        host, port, supervisor_port, heartbeat=heartbeat, auth=auth
+    )
     stop = _stop_event()
     click.echo(
         f"Xinference serving at {node.endpoint} "
@@ -170,6 +194,7 @@ async def _serve_supervisor(
     type=float,
     help="seconds between heartbeats (default $XINFERENCE_HEARTBEAT_INTERVAL_S or 1)",
 )
+@cluster_secret_option
 @log_level_option
 def worker(
     endpoint: str | None,
@@ -177,6 +202,7 @@ def worker(
     host: str,
     worker_port: int,
     heartbeat_interval: float | None,
+    cluster_secret: str | None,
     log_level: str,
 ) -> None:
     """Run a worker on this host: it registers with the supervisor and hosts the
@@ -188,7 +214,12 @@ def worker(
     configure_logging(log_level)
     asyncio.run(
         _serve_worker(
-            endpoint, supervisor_address, host, worker_port, heartbeat_interval
+            endpoint,
+            supervisor_address,
+            host,
+            worker_port,
+            heartbeat_interval,
+            cluster_secret,
         )
     )
 
@@ -199,7 +230,9 @@ async def _serve_worker(
     host: str,
     worker_port: int,
     heartbeat_interval: float | None,
+    cluster_secret: str | None,
 ) -> None:
+    from ..core.cluster_secret import WorkerRefused
     from ..core.heartbeat import HeartbeatSettings
     from .cluster import start_worker
 
@@ -211,11 +244,25 @@ async def _serve_worker(
             supervisor_address=supervisor_address,
             worker_port=worker_port,
             heartbeat=heartbeat,
+            cluster_secret=cluster_secret,
         )
+    except httpx.HTTPStatusError as error:
+        if error.response.status_code in (401, 403):
+            raise click.ClickException(
+                f"{endpoint} refused to tell the supervisor's address "
+                f"({error.response.status_code}): give the cluster's secret "
+                "(--cluster-secret or $XINFERENCE_CLUSTER_SECRET)"
+            ) from None
+        raise click.ClickException(
+            f"cannot ask {endpoint} for the supervisor's address: "
+            f"{error.response.status_code}"
+        ) from None
     except httpx.HTTPError as error:
         raise click.ClickException(
             f"cannot ask {endpoint} for the supervisor's address: {error!r}"
         ) from None
+    except WorkerRefused as error:
+        raise click.ClickException(str(error)) from None
     stop = _stop_event()
     click.echo(
         f"Xinference worker at {node.address} (supervisor {node.supervisor_address})"
@@ -254,7 +301,8 @@ api_key_option = click.option(
     "--api-key",
     "-ak",
     default=None,
-    help="accepted for upstream compatibility; this server has no authentication",
+    help="an API key (or access token) sent as the bearer; default: the token "
+    "`xinference login` kept for the endpoint",
 )
 
 
@@ -274,14 +322,15 @@ def cli(ctx: click.Context, endpoint: str) -> None:
 cli.add_command(local)
 cli.add_command(supervisor)
 cli.add_command(worker)
+cli.add_command(login)
 
 
-def _endpoint(ctx: click.Context, endpoint: str | None, api_key: str | None) -> str:
-    if api_key is not None:
-        click.echo(
-            "note: --api-key ignored: this server has no authentication", err=True
-        )
-    return endpoint or ctx.obj or DEFAULT_ENDPOINT
+def _endpoint(
+    ctx: click.Context, endpoint: str | None, api_key: str | None
+) -> tuple[str, str | None]:
+    """The endpoint to call and the credential to send it."""
+    endpoint = endpoint or ctx.obj or DEFAULT_ENDPOINT
+    return endpoint, credential(endpoint, api_key)
 
 
 @cli.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
@@ -375,7 +424,7 @@ def launch(
     `--max_num_batched_tokens 1024`) set the option of that name, or else the vLLM
     engine argument, checked by vLLM's own parser before anything starts.
     """
-    endpoint = _endpoint(ctx, endpoint, api_key)
+    endpoint, key = _endpoint(ctx, endpoint, api_key)
     options.update(
         model_size_in_billions=size_in_billions,
         n_gpu=n_gpu,
@@ -396,17 +445,17 @@ def launch(
     if uid is None and (options["model_name"] or options["model_path"]):
         uid = default_model_uid(options["model_name"], options["model_path"])
         options["model_uid"] = uid
-    client = Client(endpoint)
+    client = Client(endpoint, api_key=key)
     done = threading.Event()
     watcher = threading.Thread(
-        target=_show_progress, args=(endpoint, uid, done), daemon=True
+        target=_show_progress, args=(endpoint, key, uid, done), daemon=True
     )
     if uid is not None:
         watcher.start()
     try:
         deployment = client.launch_model_detailed(**options)
     except XinferenceError as error:
-        raise click.ClickException(error.detail) from None
+        raise click.ClickException(explain(error, endpoint)) from None
     except httpx.TransportError as error:
         raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
     finally:
@@ -456,10 +505,12 @@ def _free_arguments(args: list[str]) -> dict[str, Any]:
     return free
 
 
-def _show_progress(endpoint: str, uid: str, done: threading.Event) -> None:
+def _show_progress(
+    endpoint: str, key: str | None, uid: str, done: threading.Event
+) -> None:
     """Print the launch's progress whenever it changes (polls its own client)."""
     last = None
-    with Client(endpoint, timeout=10.0) as client:
+    with Client(endpoint, timeout=10.0, api_key=key) as client:
         while not done.wait(PROGRESS_POLL_S):
             try:
                 progress = client.progress(uid)
@@ -480,12 +531,12 @@ def _show_progress(endpoint: str, uid: str, done: threading.Event) -> None:
 @click.pass_context
 def list_models(ctx: click.Context, endpoint: str | None, api_key: str | None) -> None:
     """List launched models."""
-    endpoint = _endpoint(ctx, endpoint, api_key)
+    endpoint, key = _endpoint(ctx, endpoint, api_key)
     try:
-        with Client(endpoint) as client:
+        with Client(endpoint, api_key=key) as client:
             models = client.list_models()
     except XinferenceError as error:
-        raise click.ClickException(error.detail) from None
+        raise click.ClickException(explain(error, endpoint)) from None
     except httpx.TransportError as error:
         raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
     if not models:
@@ -517,12 +568,12 @@ def terminate(
 ) -> None:
     """Terminate a model (a launch in progress too); prints each replica's final
     Xavier counters."""
-    endpoint = _endpoint(ctx, endpoint, api_key)
+    endpoint, key = _endpoint(ctx, endpoint, api_key)
     try:
-        with Client(endpoint) as client:
+        with Client(endpoint, api_key=key) as client:
             result = client.terminate_model(model_uid)
     except XinferenceError as error:
-        raise click.ClickException(error.detail) from None
+        raise click.ClickException(explain(error, endpoint)) from None
     except httpx.TransportError as error:
         raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
     click.echo(f"Terminated {model_uid}")

@@ -19,6 +19,8 @@ from typing import Any
 import uvicorn
 import xoscar as xo
 
+from ..api.auth import AuthService
+from ..api.auth.settings import check_bind
 from ..api.restful_api import create_app
 from ..core.supervisor import SupervisorActor
 from ..core.worker import WorkerActor
@@ -65,10 +67,17 @@ class SupervisorNode:
 
 
 async def start_local_cluster(
-    host: str = "127.0.0.1", port: int = 9997, *, access_log: bool = False
+    host: str = "127.0.0.1",
+    port: int = 9997,
+    *,
+    access_log: bool = False,
+    auth: AuthService | None = None,
 ) -> SupervisorNode:
     """Start the pool, the actors and the HTTP server; ``port=0`` lets the OS pick
-    a free port (read it back from ``endpoint``)."""
+    a free port (read it back from ``endpoint``). Without ``auth`` the API is
+    open, which only a loopback ``host`` allows (``check_bind``)."""
+    auth = auth or AuthService.disabled()
+    check_bind(host, auth.enabled, auth.chosen)
     # auto_recover off: xoscar would restart a replica's sub-pool that died and
     # re-create its actors without an engine (and a transfer actor that registers
     # the dead rank with the tracker again). A dead replica is the supervisor's
@@ -83,27 +92,41 @@ async def start_local_cluster(
             WorkerActor,
             pool,
             supervisor_address=address,
+            cluster_secret=auth.cluster_secret,
             address=address,
             uid=WorkerActor.default_uid(),
         )
-        server, task, bound_port = await serve_http(address, host, port, access_log)
+        server, task, bound_port = await serve_http(
+            address, host, port, access_log, auth
+        )
     except BaseException:
         await pool.stop()
         raise
     endpoint = f"http://{host}:{bound_port}"
-    logger.info("Xinference at %s (supervisor %s)", endpoint, address)
+    logger.info(
+        "Xinference at %s (supervisor %s), authentication %s",
+        endpoint,
+        address,
+        "on" if auth.enabled else "off",
+    )
     return SupervisorNode(pool, supervisor, address, endpoint, server, task)
 
 
 async def serve_http(
-    supervisor_address: str, host: str, port: int, access_log: bool
+    supervisor_address: str,
+    host: str,
+    port: int,
+    access_log: bool,
+    auth: AuthService | None = None,
 ) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     """The REST API of the supervisor at ``supervisor_address``, serving on
     ``host:port`` (0: any free port) once this returns: (server, its task, the
     port it bound)."""
+    auth = auth or AuthService.disabled()
+    check_bind(host, auth.enabled, auth.chosen)
     listener = socket.create_server((host, port))
     config = uvicorn.Config(
-        create_app(supervisor_address),
+        create_app(supervisor_address, auth),
         log_level="warning",
         access_log=access_log,
         lifespan="off",

@@ -1,0 +1,102 @@
+"""Every route of the application, enumerated from its route table, is checked:
+a route added later is covered without editing this test.
+
+Without a credential: 401, unless the route is on the public allow-list. With a
+credential that lacks the route's permission: 403. With one that has it: neither.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from starlette.routing import Mount
+
+from xinference.api.auth.permissions import (
+    ADMIN,
+    CLUSTER_JOIN,
+    PERMISSIONS,
+    PUBLIC_ROUTES,
+    is_public,
+    required_permission,
+)
+
+from .conftest import CLUSTER_SECRET
+
+
+def probes(app: Any) -> list[tuple[str, str, str]]:
+    """(method, declared path, a concrete URL) for every route and method."""
+    found = []
+    for route in app.routes:
+        if isinstance(route, Mount):
+            found.append(("GET", route.path, f"{route.path}/app.js"))
+            continue
+        url = re.sub(r"\{[^}]+\}", "nosuch", route.path)
+        for method in sorted(route.methods or ()):
+            found.append((method, route.path, url))
+    return found
+
+
+async def test_every_route_checks_its_permission(authed):
+    figures = {"probed": 0, "public": 0, "401": 0, "403": 0, "allowed": 0}
+    # per permission: a user holding every other (admin excluded) and one holding it
+    lacking: dict[str, str] = {}
+    holding: dict[str, str] = {}
+    for index, permission in enumerate(PERMISSIONS):
+        others = [p for p in PERMISSIONS if p not in (permission, ADMIN)]
+        token, _ = await authed.user_with(f"lacks{index}", others)
+        lacking[permission] = token
+        if permission != ADMIN:
+            _, key = await authed.user_with(f"holds{index}", [permission])
+            holding[permission] = key
+    holding[ADMIN] = authed.admin_token
+    lacking[CLUSTER_JOIN] = lacking[ADMIN]  # everything but admin
+    holding[CLUSTER_JOIN] = CLUSTER_SECRET
+
+    async def call(method: str, url: str, credential: str | None) -> int:
+        headers = authed.bearer(credential) if credential else {}
+        body = {} if method in ("POST", "PUT", "PATCH") else None
+        response = await authed.http.request(method, url, json=body, headers=headers)
+        return response.status_code
+
+    for method, path, url in probes(authed.app):
+        figures["probed"] += 1
+        anonymous = await call(method, url, None)
+        if is_public(method, path):
+            figures["public"] += 1
+            assert anonymous not in (401, 403), (method, path, anonymous)
+            continue
+        assert anonymous == 401, (method, path, anonymous)
+        figures["401"] += 1
+        needed = required_permission(method, path)
+        refused = await call(method, url, lacking[needed])
+        assert refused == 403, (method, path, needed, refused)
+        figures["403"] += 1
+        allowed = await call(method, url, holding[needed])
+        assert allowed not in (401, 403), (method, path, needed, allowed)
+        figures["allowed"] += 1
+    print(f"\nroute probe figures: {figures}; allow-list {sorted(PUBLIC_ROUTES)}")
+    # the table really has the application's routes, and FastAPI's docs are closed
+    assert figures["probed"] >= 25 and figures["401"] >= 18
+    assert not is_public("GET", "/openapi.json") and not is_public("GET", "/docs")
+
+
+async def test_a_path_no_route_has_needs_a_credential_too(authed):
+    """No probing for which paths exist without a credential."""
+    response = await authed.http.get("/v1/not-a-route")
+    assert response.status_code == 401
+    with_token = await authed.http.get(
+        "/v1/not-a-route", headers=authed.bearer(authed.admin_token)
+    )
+    assert with_token.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["", "Bearer", "Bearer ", "Basic cm9vdDpwdw==", "Bearer not-a-key", "Bearer a.b.c"],
+)
+async def test_malformed_or_unknown_credentials_are_401(authed, header):
+    response = await authed.http.get("/v1/models", headers={"Authorization": header})
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"] == "Bearer"
