@@ -87,7 +87,8 @@ def test_the_model_is_shaped_like_a_qwen25_instruct_release(tmp_path):
     assert generation.repetition_penalty == 1.05
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    assert type(tokenizer).__name__ == "Qwen2Tokenizer"
+    # Qwen2Tokenizer in transformers 5.x, Qwen2TokenizerFast in 4.x
+    assert type(tokenizer).__name__.startswith("Qwen2Tokenizer")
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )

@@ -194,7 +194,6 @@ def _train_tokenizer(vocab_size: int) -> Any:
         pre_tokenizers,
         trainers,
     )
-    from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     bpe = Tokenizer(models.BPE())
@@ -213,12 +212,16 @@ def _train_tokenizer(vocab_size: int) -> Any:
         show_progress=False,
     )
     bpe.train_from_iterator(_corpus(), trainer=trainer)
-    trained = json.loads(bpe.to_str())["model"]
-    # Keywords as a dict: the stubs of Qwen2Tokenizer type merges and unk_token
-    # narrower than it takes them.
+    return _qwen2_tokenizer(bpe)
+
+
+def _qwen2_tokenizer(bpe: Any) -> Any:
+    """The trained BPE as the Qwen2 tokenizer class of the installed transformers."""
+    import transformers
+
+    # Keywords as a dict: the stubs of the tokenizer classes type some of them
+    # narrower than they take them (unk_token None, merges as pairs).
     options: dict[str, Any] = dict(
-        vocab=trained["vocab"],
-        merges=[tuple(merge) for merge in trained["merges"]],
         bos_token=None,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
@@ -229,7 +232,16 @@ def _train_tokenizer(vocab_size: int) -> Any:
         clean_up_tokenization_spaces=False,
         model_max_length=32768,
     )
-    return Qwen2Tokenizer(**options)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        # 5.x: one class, built from the vocabulary and merges (it sets up the same
+        # normaliser and pre-tokeniser as the trained one).
+        trained = json.loads(bpe.to_str())["model"]
+        options["vocab"] = trained["vocab"]
+        options["merges"] = [tuple(merge) for merge in trained["merges"]]
+        return transformers.Qwen2Tokenizer(**options)
+    # 4.x: the fast class wraps the trained tokenizer as it is.
+    fast_class: Any = transformers.Qwen2TokenizerFast  # type: ignore[attr-defined]
+    return fast_class(tokenizer_object=bpe, **options)
 
 
 def _corpus() -> list[str]:
