@@ -53,6 +53,7 @@ def http(server):
             dict(replica=2, router="cache-aware"),
             "cache-aware router needs enable_xavier",
         ),
+        (dict(generation_config="greedy"), "generation_config must be one of auto"),
     ],
 )
 def test_invalid_launch_options_are_a_400(http, model_dir, options, message):

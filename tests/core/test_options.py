@@ -43,6 +43,24 @@ def test_xavier_off_is_the_default(model_dir):
     assert spec.xavier.describe() == "Xavier: off"
 
 
+def test_generation_config_defaults_to_auto_and_reaches_the_engine(model_dir):
+    from xinference.core.messages import ReplicaSpec
+    from xinference.core.vllm_engine import build_engine_args
+
+    assert launch(model_dir).engine.generation_config == "auto"
+    spec = launch(model_dir, generation_config="vllm")
+    assert spec.engine.generation_config == "vllm"
+    replica = ReplicaSpec(
+        model_uid=spec.model_uid,
+        model_path=str(model_dir),
+        rank=0,
+        num_replicas=1,
+        engine=spec.engine,
+        xavier=None,
+    )
+    assert build_engine_args(replica).generation_config == "vllm"
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -115,6 +133,7 @@ def test_xavier_off_is_the_default(model_dir):
         (dict(n_worker=2), "n_worker=2 is not supported"),
         (dict(request_limits=4), "request_limits=4 is not supported"),
         (dict(envs={"A": "1"}), "envs={'A': '1'} is not supported"),
+        (dict(generation_config="greedy"), "generation_config must be one of auto"),
     ],
 )
 def test_invalid_options_are_refused_with_a_clear_error(model_dir, options, message):

@@ -1,19 +1,39 @@
-"""Prompt rendering with the tiny model's real tokenizer."""
+"""Prompt rendering with the tiny models' real tokenizers: one shaped like a
+Qwen2.5-Instruct release (ChatML template with a default system prompt), one
+without a chat template (the fallback)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from xinference.core.prompting import PromptRenderer
-from xinference.model.llm.tiny_model import build_tiny_qwen2
+from xinference.model.llm.tiny_model import DEFAULT_SYSTEM_PROMPT, build_tiny_qwen2
 
-pytestmark = pytest.mark.slow  # builds the model once (a few seconds)
+pytestmark = pytest.mark.slow  # builds the models once (a few seconds each)
 
 
 @pytest.fixture(scope="module")
-def renderer(tmp_path_factory):
-    path = build_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def renderer(models):
+    return PromptRenderer.load(str(build_tiny_qwen2(models / "chat")))
+
+
+@pytest.fixture(scope="module")
+def untemplated(models):
+    path = build_tiny_qwen2(models / "plain", with_chat_template=False)
     return PromptRenderer.load(str(path))
+
+
+def chatml(*turns: tuple[str, str]) -> str:
+    """The text a ChatML template renders, ready for the assistant's turn."""
+    text = "".join(
+        f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns
+    )
+    return text + "<|im_start|>assistant\n"
 
 
 def test_text_and_token_prompts(renderer):
@@ -22,10 +42,47 @@ def test_text_and_token_prompts(renderer):
     assert renderer.completion_ids(ids) == ids
 
 
-def test_chat_without_a_template_uses_role_markers(renderer):
-    messages = [{"role": "user", "content": "hello"}]
-    expected = renderer.completion_ids("<|user|>\nhello\n<|assistant|>\n")
-    assert renderer.chat_ids(messages) == expected
+def test_chat_renders_the_template_with_its_default_system_prompt(renderer):
+    ids = renderer.chat_ids([{"role": "user", "content": "hello"}])
+    expected = chatml(("system", DEFAULT_SYSTEM_PROMPT), ("user", "hello"))
+    assert ids == renderer.completion_ids(expected)
+    # the special tokens are single ids, as in a real release: 1 and 2
+    assert ids[0] == 1 and ids.count(2) == 2
+
+
+def test_a_system_message_replaces_the_default_one(renderer):
+    messages = [
+        {"role": "system", "content": "Answer in syllables."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "kalo"},
+        {"role": "user", "content": "again"},
+    ]
+    expected = chatml(
+        ("system", "Answer in syllables."),
+        ("user", "hello"),
+        ("assistant", "kalo"),
+        ("user", "again"),
+    )
+    assert renderer.chat_ids(messages) == renderer.completion_ids(expected)
+
+
+def test_list_content_is_its_text_parts_joined(renderer):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+    as_parts = renderer.chat_ids([{"role": "user", "content": parts}])
+    assert as_parts == renderer.chat_ids([{"role": "user", "content": "hello\nthere"}])
+    with pytest.raises(ValueError, match="only text parts"):
+        renderer.chat_ids([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_chat_without_a_template_uses_role_markers(untemplated):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+    ]
+    expected = untemplated.completion_ids(
+        "<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n"
+    )
+    assert untemplated.chat_ids(messages) == expected
 
 
 def test_a_shared_text_prefix_gives_a_shared_token_prefix(renderer):
@@ -42,3 +99,7 @@ def test_concurrent_tokenisation_is_safe(renderer):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(renderer.completion_ids, prompts))
     assert results == [renderer.completion_ids(p) for p in prompts]
+    conversations = [[{"role": "user", "content": p}] for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        chats = list(pool.map(renderer.chat_ids, conversations))
+    assert chats == [renderer.chat_ids(c) for c in conversations]

@@ -50,6 +50,7 @@ def run_cli(server, *args):
             ["--replica", "2", "--enable-xavier", "--pipeline-parallel-size", "4"],
             "must be 1, got 1 and 4",
         ),
+        (["--generation-config", "greedy"], "generation_config must be one of auto"),
     ],
 )
 def test_launch_validation_errors(server, model_dir, options, message):

@@ -24,52 +24,37 @@ route's permission in a middleware; it is off unless ``create_app`` gets an
 enabled ``AuthService``.
 
 The app talks to the supervisor for management and to the replicas (through
-``ReplicaDispatcher``) for serving. A response served by a replica names it in the
-``X-Xinference-Replica`` header; a non-streamed one also says in
-``X-Xinference-Xavier-External-Tokens`` how many prompt tokens Xavier loaded from
-another replica, and from which in ``X-Xinference-Xavier-Holder`` (when it did).
+``ReplicaDispatcher``) for serving (``serving.py``: the OpenAI routes and their
+response headers). Every error is a JSON body on a connection kept open
+(``errors.py``: which status for which error).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import xoscar as xo
-from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from ..core.dispatch import ReplicaDispatcher, ReplicaUnavailable, Route
-from ..core.messages import (
-    DeploymentInfo,
-    GenerationChunk,
-    GenerationRequest,
-    ServiceUnavailable,
-)
+from ..core.dispatch import ReplicaDispatcher
+from ..core.messages import DeploymentInfo
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
-from ..core.options import LaunchOptionError
-from ..core.supervisor import LaunchCancelled, SupervisorActor
+from ..core.supervisor import SupervisorActor
 from .auth import AuthMiddleware, AuthService, auth_router
-from .schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    LaunchRequest,
-    PrefixRequest,
-)
+from .errors import InvalidRequest, install_error_handlers
+from .schemas import LaunchRequest, PrefixRequest
+from .serving import add_serving_routes
 
 logger = logging.getLogger(__name__)
 
-REPLICA_HEADER = "X-Xinference-Replica"
-EXTERNAL_TOKENS_HEADER = "X-Xinference-Xavier-External-Tokens"
-HOLDER_HEADER = "X-Xinference-Xavier-Holder"
 WEB_DIR = Path(__file__).resolve().parent / "web"
 # How often a dispatcher asks the supervisor which replicas are gone (at most).
 GONE_REFRESH_S = 1.0
@@ -130,51 +115,8 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
             hub_cell.append(ModelHub(supervisor))
         return hub_cell[0]
 
-    @app.exception_handler(LaunchOptionError)
-    async def _bad_option(_: Request, error: LaunchOptionError) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=400)
-
-    @app.exception_handler(InvalidRequest)
-    async def _invalid_request(_: Request, error: InvalidRequest) -> JSONResponse:
-        # OpenAI's error shape (its clients read error.message) plus "detail",
-        # which upstream Xinference's client reads.
-        message = str(error)
-        body = {
-            "detail": message,
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": error.param,
-                "code": None,
-            },
-        }
-        return JSONResponse(body, status_code=400)
-
-    @app.exception_handler(LaunchCancelled)
-    async def _cancelled(_: Request, error: LaunchCancelled) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=409)
-
-    async def _unavailable(_: Request, error: Exception) -> JSONResponse:
-        # A replica died under the request, or none can serve: the model's other
-        # replicas (if any) keep serving, so the client may retry.
-        message = str(error)
-        body = {
-            "detail": message,
-            "error": {"message": message, "type": "server_error", "code": 503},
-        }
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
-
-    app.add_exception_handler(ServiceUnavailable, _unavailable)
-    app.add_exception_handler(ReplicaUnavailable, _unavailable)
-
-    @app.exception_handler(LookupError)
-    async def _not_found(_: Request, error: LookupError) -> JSONResponse:
-        return JSONResponse({"detail": _message(error)}, status_code=404)
-
-    @app.exception_handler(Exception)
-    async def _failed(_: Request, error: Exception) -> JSONResponse:
-        logger.error("request failed: %r", error)
-        return JSONResponse({"detail": _message(error)}, status_code=500)
+    install_error_handlers(app)
+    add_serving_routes(app, lambda body: _dispatcher(hub, body))
 
     @app.get("/status")
     async def status() -> dict[str, Any]:
@@ -298,93 +240,6 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
             "xavier_counters": {str(rank): stats for rank, stats in counters.items()},
         }
 
-    # ---- serving ------------------------------------------------------------------
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        dispatcher = await _dispatcher(await hub(), body)
-        # Tokenising a long prompt takes a while: not on the event loop.
-        token_ids = await asyncio.to_thread(
-            dispatcher.renderer.completion_ids, body.prompt
-        )
-        request = _generation_request("cmpl", token_ids, body, body.max_tokens)
-        route = await dispatcher.route(token_ids)
-        headers = {REPLICA_HEADER: str(route.rank)}
-        created = int(time.time())
-
-        def chunk_json(chunk: GenerationChunk) -> dict[str, Any]:
-            return {
-                "id": request.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": chunk.text,
-                        "logprobs": None,
-                        "finish_reason": chunk.finish_reason,
-                    }
-                ],
-            }
-
-        if body.stream:
-            return _sse(
-                dispatcher, route, request, chunk_json, headers, body.include_usage()
-            )
-        chunk, rank = await _generate(dispatcher, route, request)
-        payload = chunk_json(chunk) | {"usage": _usage(chunk)}
-        headers[REPLICA_HEADER] = str(rank)
-        return JSONResponse(payload, headers=headers | _load_headers(chunk))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        dispatcher = await _dispatcher(await hub(), body)
-        messages = [message.plain() for message in body.messages]
-        token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
-        request = _generation_request("chatcmpl", token_ids, body, body.token_budget())
-        route = await dispatcher.route(token_ids)
-        headers = {REPLICA_HEADER: str(route.rank)}
-        created = int(time.time())
-        first = [True]
-
-        def chunk_json(chunk: GenerationChunk) -> dict[str, Any]:
-            delta: dict[str, Any] = {"content": chunk.text}
-            if first[0]:
-                delta = {"role": "assistant"} | delta
-                first[0] = False
-            return {
-                "id": request.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "choices": [
-                    {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
-                ],
-            }
-
-        if body.stream:
-            return _sse(
-                dispatcher, route, request, chunk_json, headers, body.include_usage()
-            )
-        chunk, rank = await _generate(dispatcher, route, request)
-        headers[REPLICA_HEADER] = str(rank)
-        payload = {
-            "id": request.request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": body.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": chunk.text},
-                    "finish_reason": chunk.finish_reason,
-                }
-            ],
-            "usage": _usage(chunk),
-        }
-        return JSONResponse(payload, headers=headers | _load_headers(chunk))
-
     # ---- metrics ------------------------------------------------------------------
 
     @app.get("/metrics")
@@ -416,7 +271,9 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
     return app
 
 
-async def _dispatcher(models: ModelHub, body: Any) -> ReplicaDispatcher:
+async def _dispatcher(
+    hub: Callable[[], Awaitable[ModelHub]], body: Any
+) -> ReplicaDispatcher:
     refused = body.refused()
     if refused:
         raise InvalidRequest(
@@ -424,90 +281,7 @@ async def _dispatcher(models: ModelHub, body: Any) -> ReplicaDispatcher:
             "(this server cannot honour them; only n=1 is served)",
             param=refused[0],
         )
-    return await models.get(body.model)
-
-
-class InvalidRequest(ValueError):
-    """A serving request the server cannot honour; ``param`` names the culprit."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _generation_request(
-    prefix: str, token_ids: list[int], body: Any, max_tokens: int | None
-) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-        prompt_token_ids=tuple(token_ids),
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=body.stop_list(),
-        ignore_eos=body.ignore_eos,
-    )
-
-
-async def _generate(
-    dispatcher: ReplicaDispatcher, route: Route, request: GenerationRequest
-) -> tuple[GenerationChunk, int]:
-    try:
-        return await dispatcher.serve(route, request)
-    except ValueError as error:  # vLLM's request validation (too long, ...)
-        raise InvalidRequest(_message(error)) from None
-
-
-def _sse(
-    dispatcher: ReplicaDispatcher,
-    route: Route,
-    request: GenerationRequest,
-    to_json: Callable[[GenerationChunk], dict[str, Any]],
-    headers: dict[str, str],
-    include_usage: bool,
-) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        last: GenerationChunk | None = None
-        try:
-            # A replica that fails before the first chunk is replaced once; the
-            # replica header (sent first) then names the one that failed.
-            async for chunk, _ in dispatcher.stream_served(route, request):
-                last = chunk
-                yield f"data: {json.dumps(to_json(chunk))}\n\n"
-        except Exception as error:  # the status line is sent: report in-band
-            logger.exception("stream %s failed", request.request_id)
-            payload = {"error": {"message": _message(error), "type": "server_error"}}
-            yield f"data: {json.dumps(payload)}\n\n"
-            return
-        if include_usage and last is not None:
-            # OpenAI's stream_options.include_usage: one last chunk, no choices.
-            final = to_json(dataclasses.replace(last, text="", token_ids=()))
-            final["choices"] = []
-            final["usage"] = _usage(last)
-            yield f"data: {json.dumps(final)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-
-def _usage(chunk: GenerationChunk) -> dict[str, Any]:
-    usage: dict[str, Any] = {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-    }
-    if chunk.cached_prompt_tokens is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": chunk.cached_prompt_tokens}
-    return usage
-
-
-def _load_headers(chunk: GenerationChunk) -> dict[str, str]:
-    """What Xavier loaded for a finished request, as response headers."""
-    headers = {EXTERNAL_TOKENS_HEADER: str(chunk.external_prompt_tokens)}
-    if chunk.external_holder_rank is not None:
-        headers[HOLDER_HEADER] = str(chunk.external_holder_rank)
-    return headers
+    return await (await hub()).get(body.model)
 
 
 def _upstream_description(deployment: DeploymentInfo) -> dict[str, Any]:
@@ -571,8 +345,3 @@ def _report_json(report: Any) -> dict[str, Any]:
     # XavierReplicaSettings is slotted and nested: give it the connector's dict shape.
     data["xavier"] = None if report.xavier is None else report.xavier.to_dict()
     return data
-
-
-def _message(error: BaseException) -> str:
-    # KeyError/LookupError str() adds quotes; the first argument reads better.
-    return str(error.args[0]) if error.args else repr(error)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..core.sampling import DEFAULT_GENERATION_CONFIG
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 
 
@@ -39,6 +40,9 @@ class LaunchRequest(BaseModel):
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     seed: int = 0
+    # "auto": generation_config.json supplies default sampling parameters (vLLM's
+    # --generation-config auto); "vllm": neutral defaults.
+    generation_config: str = DEFAULT_GENERATION_CONFIG
     # Upstream Xinference's keys (its client sends them all, mostly as null).
     model_type: str | None = "LLM"
     model_size_in_billions: int | str | None = None
@@ -91,14 +95,31 @@ class _SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # None: the model's default (generation_config.json), else the neutral value
+    # (``core/sampling.py``). top_k, min_p and repetition_penalty are vLLM's
+    # extensions of OpenAI's parameters; top_k -1 means "no cut", as vLLM had it.
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters this request set (None: left to the defaults)."""
+        top_k = 0 if self.top_k == -1 else self.top_k
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -124,9 +145,19 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    # One prompt (text or token ids) or, as OpenAI allows, a list of them.
+    prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's completions default; chat completions run to the end (None).
     max_tokens: int | None = Field(default=16, ge=1)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice of the response."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt or all(isinstance(item, int) for item in prompt):
+            return [prompt]  # type: ignore[list-item]  # one prompt of token ids
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class TextPart(BaseModel):
@@ -141,13 +172,9 @@ class ChatMessage(BaseModel):
     # A string or OpenAI's content parts; only text parts (no images, no audio).
     content: str | list[TextPart] | None
 
-    def plain(self) -> dict[str, str]:
-        """The message with its content as one string, as chat templates take it."""
-        if isinstance(self.content, list):
-            text = "\n".join(part.text for part in self.content)
-        else:
-            text = self.content or ""
-        return {"role": self.role, "content": text}
+    def plain(self) -> dict[str, Any]:
+        """The message as plain data (``PromptRenderer.chat_ids`` renders it)."""
+        return self.model_dump(include={"role", "content"})
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -30,6 +30,7 @@ from .messages import (
 )
 from .prompting import PromptRenderer
 from .router import RouteFacts, Router, make_router
+from .sampling import load_sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,12 @@ class ReplicaDispatcher:
         replicas: Sequence[Any],
         tracker: Any | None,
         router: Router,
+        sampling_defaults: Mapping[str, float | int] | None = None,
     ) -> None:
         self.deployment = deployment
         self.renderer = renderer
+        # The model's generation_config.json defaults (``core/sampling.py``).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._replicas = list(replicas)  # rank -> model actor ref
         self._tracker = tracker
         self._router = router
@@ -172,6 +176,11 @@ class ReplicaDispatcher:
     @classmethod
     async def connect(cls, deployment: DeploymentInfo) -> ReplicaDispatcher:
         renderer = await asyncio.to_thread(PromptRenderer.load, deployment.model_path)
+        defaults = await asyncio.to_thread(
+            load_sampling_defaults,
+            deployment.model_path,
+            deployment.generation_config,
+        )
         replicas = [
             await xo.actor_ref(address=replica.address, uid=replica.actor_uid)
             for replica in deployment.replicas
@@ -182,7 +191,7 @@ class ReplicaDispatcher:
                 address=deployment.tracker_address, uid=deployment.tracker_uid
             )
         router = make_router(deployment.router.kind, deployment.router.busy_margin)
-        return cls(deployment, renderer, replicas, tracker, router)
+        return cls(deployment, renderer, replicas, tracker, router, defaults)
 
     @property
     def in_flight(self) -> tuple[int, ...]:
@@ -262,7 +271,7 @@ class ReplicaDispatcher:
 
     async def stream_served(
         self, route: Route, request: GenerationRequest
-    ) -> AsyncIterator[tuple[GenerationChunk, int]]:
+    ) -> AsyncGenerator[tuple[GenerationChunk, int], None]:
         """``stream``, sent once more to another replica if ``route``'s failed
         before its first chunk; each chunk with the rank that produced it."""
         produced = False

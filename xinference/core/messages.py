@@ -40,6 +40,10 @@ class ReplicaInfo:
     load_seconds: float
     hash_namespace: str | None = None  # Xavier's block-hash namespace (None: off)
     worker: str = ""  # the address of the worker whose host runs it
+    # What a request must fit, as the engine sees it: the context length in tokens
+    # and the model's vocabulary size (0: not known).
+    max_model_len: int = 0
+    vocab_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,7 @@ class DeploymentInfo:
     created: float = 0.0
     model_name: str = ""  # the registry name, or the model directory's name
     quantization: str | None = None  # as given to vLLM, None: the checkpoint's own
+    generation_config: str = "auto"  # "vllm": no sampling defaults from the model
     # rank -> why the replica is out of service: gone for good (its worker was
     # lost, its engine or process died) or, for now, missing health probes
     gone: dict[int, str] = field(default_factory=dict)
@@ -88,6 +93,16 @@ class DeploymentInfo:
     @property
     def block_size(self) -> int:
         return self.replicas[0].block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length in tokens (0: not known)."""
+        return self.replicas[0].max_model_len if self.replicas else 0
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (0: not known)."""
+        return self.replicas[0].vocab_size if self.replicas else 0
 
     def replica_state(self, rank: int) -> str:
         """ "serving", "unresponsive: <why>" or "gone: <why>"."""
@@ -148,6 +163,9 @@ class GenerationRequest:
     max_tokens: int | None = 16  # None: until end of sequence or the context's end
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

@@ -116,6 +116,8 @@ class ReplicaModelActor(xo.StatelessActor):
             block_size=engine.block_size,
             load_seconds=self._load_seconds,
             hash_namespace=engine.hash_namespace(),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
         )
 
     async def start_transfer_actor(self) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, XavierConfig, parse_size
 from .engine_args import EngineArgumentError, validate_engine_args
 from .registry import registered_models
+from .sampling import DEFAULT_GENERATION_CONFIG, GENERATION_CONFIG_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class EngineOptions:
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     seed: int = 0
+    # "auto": the model's generation_config.json supplies default sampling
+    # parameters; "vllm": it does not (vLLM's --generation-config, same values).
+    generation_config: str = DEFAULT_GENERATION_CONFIG
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # Further vLLM engine arguments, already checked by vLLM's parser: (name, value).
@@ -100,6 +104,7 @@ class LaunchSpec:
         gpu_memory_utilization: float | None = None,
         max_num_seqs: int | None = None,
         seed: int = 0,
+        generation_config: str = DEFAULT_GENERATION_CONFIG,
         # Upstream Xinference's launch keys (its client always sends them).
         model_type: str | None = "LLM",
         model_size_in_billions: int | str | None = None,
@@ -199,6 +204,13 @@ class LaunchSpec:
             _require_int("max_model_len", max_model_len, minimum=1)
         if max_num_seqs is not None:
             _require_int("max_num_seqs", max_num_seqs, minimum=1)
+        if generation_config not in GENERATION_CONFIG_MODES:
+            raise LaunchOptionError(
+                f"generation_config must be one of "
+                f"{', '.join(GENERATION_CONFIG_MODES)} (auto: the model's "
+                f"generation_config.json sets default sampling parameters; vllm: "
+                f"neutral defaults), got {generation_config!r}"
+            )
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise LaunchOptionError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -220,6 +232,7 @@ class LaunchSpec:
                 gpu_memory_utilization=gpu_memory_utilization,
                 max_num_seqs=max_num_seqs,
                 seed=int(seed),
+                generation_config=generation_config,
                 tensor_parallel_size=tensor_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
                 extra=extra,

@@ -9,12 +9,15 @@ comparable token for token.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-# Used when the model ships no chat template (the offline test models do not).
+# Used when the model ships no chat template.
 _FALLBACK_ROLE_PREFIX = "<|{role}|>\n"
 _FALLBACK_TURN_END = "\n"
+# How OpenAI content parts become one string (as vLLM joins text parts for templates
+# that take string content).
+_PART_SEPARATOR = "\n"
 
 
 class PromptRenderer:
@@ -34,26 +37,61 @@ class PromptRenderer:
 
         return cls(AutoTokenizer.from_pretrained(model_path))
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added tokens included."""
+        return len(self._tokenizer)
+
     def completion_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             with self._lock:
                 return list(self._tokenizer.encode(prompt, add_special_tokens=True))
         return [int(token) for token in prompt]
 
-    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt of a conversation, ready for the assistant's turn.
+
+        ``messages`` are OpenAI chat messages: ``role`` and ``content``, a string or
+        a list of text parts (``{"type": "text", "text": ...}``). The model's chat
+        template renders them (with its own default system prompt, if it has one);
+        without a template, role markers do.
+        """
+        plain = [
+            {"role": message["role"], "content": message_text(message.get("content"))}
+            for message in messages
+        ]
         if getattr(self._tokenizer, "chat_template", None):
+            # Rendered to text, then encoded as a completion prompt is: one path to
+            # token ids whatever apply_chat_template returns in this transformers
+            # release (a list in 4.x, a BatchEncoding in 5.x). Templates write their
+            # special tokens out, so none are added.
             with self._lock:
-                ids = self._tokenizer.apply_chat_template(
-                    list(messages), add_generation_prompt=True, tokenize=True
+                text = self._tokenizer.apply_chat_template(
+                    plain, add_generation_prompt=True, tokenize=False
                 )
-            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
-                ids = ids["input_ids"]
-            return [int(token) for token in ids]
+                return list(self._tokenizer.encode(text, add_special_tokens=False))
         text = "".join(
             _FALLBACK_ROLE_PREFIX.format(role=m["role"])
             + m["content"]
             + _FALLBACK_TURN_END
-            for m in messages
+            for m in plain
         )
         text += _FALLBACK_ROLE_PREFIX.format(role="assistant")
         return self.completion_ids(text)
+
+
+def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
+    """A message's content as one string: OpenAI text parts joined, None as ""."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(
+                f"unsupported content part type {part.get('type')!r}: "
+                "only text parts are served"
+            )
+        texts.append(str(part["text"]))
+    return _PART_SEPARATOR.join(texts)

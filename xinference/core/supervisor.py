@@ -716,6 +716,7 @@ class SupervisorActor(xo.StatelessActor):
             created=record.created,
             model_name=spec.model_name or Path(record.model_path).name,
             quantization=dict(spec.engine.extra).get("quantization"),
+            generation_config=spec.engine.generation_config,
             unresponsive=dict(record.unresponsive),
         )
 

@@ -51,6 +51,7 @@ def build_engine_args(spec: ReplicaSpec) -> Any:
         pipeline_parallel_size=options.pipeline_parallel_size,
         enable_prefix_caching=True,
         disable_log_stats=True,
+        generation_config=options.generation_config,
     )
     for name in ("block_size", "max_model_len", "max_num_seqs"):
         value = getattr(options, name)
@@ -95,6 +96,15 @@ class VLLMEngine:
     @property
     def block_size(self) -> int:
         return int(self._engine.vllm_config.cache_config.block_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self._engine.vllm_config.model_config.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (rows of its embedding)."""
+        return int(self._engine.vllm_config.model_config.get_vocab_size())
 
     @property
     def model_name(self) -> str:
@@ -162,6 +172,9 @@ class VLLMEngine:
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
             seed=request.seed,
             stop=list(request.stop) or None,
             ignore_eos=request.ignore_eos,

@@ -406,6 +406,14 @@ def _endpoint(
 @click.option("--gpu-memory-utilization", default=None, type=float)
 @click.option("--max-num-seqs", default=None, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--generation-config",
+    default="auto",
+    show_default=True,
+    help="auto: the model's generation_config.json sets default sampling "
+    "parameters (temperature, top_p, top_k, min_p, repetition_penalty); "
+    "vllm: neutral defaults",
+)
 @click.pass_context
 def launch(
     ctx: click.Context,

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -55,7 +55,7 @@ REQUEST_TIMEOUT_S = 300.0
 # 512 make a 1,500-token prefill cost far more than loading its KV (8 layers x 2 KV
 # heads of 64 float32 values, K and V: 8 KiB per token), and a run still takes a
 # few minutes.
-DEMO_MODEL = dict(
+DEMO_MODEL: dict[str, Any] = dict(
     hidden_size=512,
     intermediate_size=1536,
     num_hidden_layers=8,
@@ -76,17 +76,33 @@ class Workload:
 
     def prompts(self) -> list[str]:
         """Deterministic prompts: group g's shared prefix, then question q."""
-        prompts = []
+        return [
+            f"{system}\n{question}" for system, question in self._system_and_questions()
+        ]
+
+    def conversations(self) -> list[list[dict[str, str]]]:
+        """The same workload as chats: group g's prefix as the system message,
+        question q as the user's (the model's chat template renders them)."""
+        return [
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]
+            for system, question in self._system_and_questions()
+        ]
+
+    def _system_and_questions(self) -> list[tuple[str, str]]:
+        pairs = []
         for group in range(self.groups):
             prefix = " ".join(_word(group * 7919 + i) for i in range(self.prefix_words))
             for question in range(self.per_group):
                 tail = " ".join(
                     _word(group * 104729 + question * 31 + i) for i in range(6)
                 )
-                prompts.append(
-                    f"Context {group}: {prefix}\nQuestion {question}: {tail}?"
+                pairs.append(
+                    (f"Context {group}: {prefix}", f"Question {question}: {tail}?")
                 )
-        return prompts
+        return pairs
 
 
 @dataclass(slots=True)
@@ -134,7 +150,7 @@ async def run(args: argparse.Namespace) -> int:
     from .local import start_local_cluster
 
     workload = Workload(groups=args.groups, per_group=args.per_group)
-    prompts = workload.prompts()
+    prompts = workload.conversations()
     workdir = Path(args.workdir)  # made absolute in main()
     say(f"building the demo model in {workdir} (offline, random weights)")
     model_path = await asyncio.to_thread(
@@ -162,7 +178,7 @@ async def _one_run(
     http: httpx.AsyncClient,
     model_path: Path,
     xavier: bool,
-    prompts: list[str],
+    prompts: list[list[dict[str, str]]],
     workload: Workload,
     args: argparse.Namespace,
 ) -> RunResult:
@@ -211,11 +227,11 @@ async def _one_run(
 
 
 async def _request(
-    http: httpx.AsyncClient, prompt: str, max_tokens: int
+    http: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int
 ) -> RequestResult:
     body = dict(
         model=MODEL_UID,
-        prompt=prompt,
+        messages=messages,
         max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
@@ -224,7 +240,7 @@ async def _request(
     ttft = None
     pieces: list[str] = []
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 return RequestResult("", 0.0, -1, False, response.text)
@@ -240,7 +256,7 @@ async def _request(
                     # empty: a partial UTF-8 sequence).
                     if ttft is None:
                         ttft = time.monotonic() - started
-                    pieces.append(choice["text"])
+                    pieces.append(choice["delta"].get("content") or "")
     except httpx.HTTPError as error:
         return RequestResult("", 0.0, -1, False, repr(error))
     return RequestResult("".join(pieces), ttft or 0.0, replica, ttft is not None)

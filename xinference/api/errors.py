@@ -1,0 +1,124 @@
+"""How the REST API answers errors: always a JSON body, never a dropped connection.
+
+Starlette sends an exception no handler claims to its outermost middleware, which
+answers 500 and then re-raises it to the server; uvicorn logs "Exception in ASGI
+application" and closes the keep-alive connection, so a client's next request on
+it fails (``ConnectionResetError`` in upstream Xinference's client) and the openai
+client silently sends the failed request again. ``JsonErrors`` catches such an
+exception inside that middleware, logs it once, and answers a JSON 500 on the same
+connection.
+
+Status codes: 400 for a request the user can fix (``InvalidRequest``, a bad launch
+option), 404 for an unknown model, 409 for a launch cancelled while it was awaited,
+503 (with Retry-After) when no replica can serve, 500 for anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ..core.dispatch import ReplicaUnavailable
+from ..core.messages import ServiceUnavailable
+from ..core.options import LaunchOptionError
+from ..core.supervisor import LaunchCancelled
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """A serving request the server cannot honour; ``param`` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape (its clients read error.message) plus "detail", which
+    upstream Xinference's client and FastAPI's own errors use."""
+    return {
+        "detail": message,
+        "error": {"message": message, "type": kind, "param": param, "code": None},
+    }
+
+
+def error_message(error: BaseException) -> str:
+    # KeyError/LookupError str() adds quotes; the first argument reads better.
+    return str(error.args[0]) if error.args else repr(error)
+
+
+class JsonErrors:
+    """ASGI middleware: an exception that escaped every handler becomes a JSON 500
+    (when no response has started; a started response, a stream, cannot change its
+    status, and the streams of this API report their errors in-band)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as error:
+            if started:
+                raise
+            logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            response = JSONResponse(
+                error_body(error_message(error), "server_error"), status_code=500
+            )
+            await response(scope, receive, send)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the API can raise, answered with its status and a JSON body."""
+
+    @app.exception_handler(LaunchOptionError)
+    async def _bad_option(_: Request, error: LaunchOptionError) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(error), "invalid_request_error"), status_code=400
+        )
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(_: Request, error: InvalidRequest) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(error), "invalid_request_error", error.param),
+            status_code=400,
+        )
+
+    @app.exception_handler(LaunchCancelled)
+    async def _cancelled(_: Request, error: LaunchCancelled) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "conflict"), status_code=409)
+
+    async def _unavailable(_: Request, error: Exception) -> JSONResponse:
+        # A replica died under the request, or none can serve: the model's other
+        # replicas (if any) keep serving, so the client may retry.
+        return JSONResponse(
+            error_body(error_message(error), "server_error"),
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
+
+    app.add_exception_handler(ServiceUnavailable, _unavailable)
+    app.add_exception_handler(ReplicaUnavailable, _unavailable)
+
+    @app.exception_handler(LookupError)
+    async def _not_found(_: Request, error: LookupError) -> JSONResponse:
+        return JSONResponse(
+            error_body(error_message(error), "not_found_error"), status_code=404
+        )
+
+    app.add_middleware(JsonErrors)

@@ -1,0 +1,358 @@
+"""The OpenAI-compatible serving routes: ``/v1/completions`` and ``/v1/chat/completions``.
+
+A request is tokenised here, checked against the model's limits (``limits.py``: a
+400 naming the limit), given the model's default sampling parameters where it set
+none (``core/sampling.py``), routed, and relayed, streamed (SSE) or whole. A
+streamed request's first chunk is awaited before the 200 goes out, so whatever a
+replica refuses before producing anything is still an HTTP error, not an error
+event inside a 200.
+
+``/v1/completions`` takes one prompt or a list of them (strings or token id lists),
+as OpenAI's API does: one choice per prompt, ``index`` its position in the list,
+each prompt routed on its own.
+
+A response served by a replica names it in the ``X-Xinference-Replica`` header (a
+batch: the ranks in prompt order, comma-separated); a non-streamed one also says in
+``X-Xinference-Xavier-External-Tokens`` how many prompt tokens Xavier loaded from
+another replica, and from which in ``X-Xinference-Xavier-Holder`` (one prompt, when
+it did).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..core.dispatch import ReplicaDispatcher
+from ..core.messages import GenerationChunk, GenerationRequest
+from ..core.sampling import resolve
+from .errors import InvalidRequest, error_message
+from .limits import ModelLimits
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "X-Xinference-Replica"
+EXTERNAL_TOKENS_HEADER = "X-Xinference-Xavier-External-Tokens"
+HOLDER_HEADER = "X-Xinference-Xavier-Holder"
+
+# index of the prompt in the request, chunk -> one OpenAI chunk or choice
+ToJson = Callable[[int, GenerationChunk], dict[str, Any]]
+
+
+@dataclasses.dataclass(slots=True)
+class _Job:
+    """One prompt of a request, on its way to a replica."""
+
+    index: int
+    request: GenerationRequest
+
+
+def add_serving_routes(
+    app: FastAPI, dispatcher_for: Callable[[Any], Awaitable[ReplicaDispatcher]]
+) -> None:
+    """``dispatcher_for(body)``: the dispatcher of the model a request names
+    (raising ``InvalidRequest`` for parameters the server cannot honour)."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        dispatcher = await dispatcher_for(body)
+        renderer = dispatcher.renderer
+        jobs = []
+        for index, prompt in enumerate(body.prompts()):
+            # Tokenising a long prompt takes a while: not on the event loop.
+            token_ids = await asyncio.to_thread(renderer.completion_ids, prompt)
+            request = _generation_request(
+                dispatcher, "cmpl", token_ids, body, body.max_tokens, "max_tokens"
+            )
+            jobs.append(_Job(index, request))
+        request_id = jobs[0].request.request_id
+        if len(jobs) > 1:  # vLLM needs an id per prompt
+            for job in jobs:
+                job.request = dataclasses.replace(
+                    job.request, request_id=f"{request_id}-{job.index}"
+                )
+        created = int(time.time())
+
+        def chunk_json(index: int, chunk: GenerationChunk) -> dict[str, Any]:
+            return {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [
+                    {
+                        "index": index,
+                        "text": chunk.text,
+                        "logprobs": None,
+                        "finish_reason": chunk.finish_reason,
+                    }
+                ],
+            }
+
+        if body.stream:
+            return await _sse(dispatcher, jobs, chunk_json, body.include_usage())
+        finals = await _generate_all(dispatcher, jobs)
+        payload = chunk_json(0, finals[0][0])
+        payload["choices"] = [
+            chunk_json(i, chunk)["choices"][0] for i, (chunk, _) in enumerate(finals)
+        ]
+        payload["usage"] = _usage([chunk for chunk, _ in finals])
+        return JSONResponse(payload, headers=_load_headers(finals))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        dispatcher = await dispatcher_for(body)
+        messages = [message.plain() for message in body.messages]
+        token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
+        budget_param = (
+            "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        )
+        request = _generation_request(
+            dispatcher, "chatcmpl", token_ids, body, body.token_budget(), budget_param
+        )
+        created = int(time.time())
+        first = [True]
+
+        def chunk_json(index: int, chunk: GenerationChunk) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": chunk.text}
+            if first[0]:
+                delta = {"role": "assistant"} | delta
+                first[0] = False
+            return {
+                "id": request.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": delta,
+                        "finish_reason": chunk.finish_reason,
+                    }
+                ],
+            }
+
+        jobs = [_Job(0, request)]
+        if body.stream:
+            return await _sse(dispatcher, jobs, chunk_json, body.include_usage())
+        finals = await _generate_all(dispatcher, jobs)
+        chunk = finals[0][0]
+        payload = {
+            "id": request.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": chunk.text},
+                    "finish_reason": chunk.finish_reason,
+                }
+            ],
+            "usage": _usage([chunk]),
+        }
+        return JSONResponse(payload, headers=_load_headers(finals))
+
+
+def _generation_request(
+    dispatcher: ReplicaDispatcher,
+    prefix: str,
+    token_ids: list[int],
+    body: Any,
+    max_tokens: int | None,
+    max_tokens_param: str,
+) -> GenerationRequest:
+    """The request for one prompt, once it is known to fit the model."""
+    deployment = dispatcher.deployment
+    vocab = deployment.vocab_size
+    limits = ModelLimits(
+        max_model_len=deployment.max_model_len,
+        # vLLM's rule: an id is valid below the larger of the two (0: unknown).
+        vocab_size=max(vocab, dispatcher.renderer.vocab_size) if vocab else 0,
+    )
+    prompt_param = "messages" if prefix == "chatcmpl" else "prompt"
+    limits.check(
+        token_ids,
+        max_tokens,
+        prompt_param=prompt_param,
+        max_tokens_param=max_tokens_param,
+    )
+    sampling = resolve(body.sampling(), dispatcher.sampling_defaults)
+    return GenerationRequest(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt_token_ids=tuple(token_ids),
+        max_tokens=max_tokens,
+        temperature=float(sampling["temperature"]),
+        top_p=float(sampling["top_p"]),
+        top_k=int(sampling["top_k"]),
+        min_p=float(sampling["min_p"]),
+        repetition_penalty=float(sampling["repetition_penalty"]),
+        seed=body.seed,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+async def _generate_all(
+    dispatcher: ReplicaDispatcher, jobs: Sequence[_Job]
+) -> list[tuple[GenerationChunk, int]]:
+    """Each job's whole output and the rank that produced it, run concurrently."""
+
+    async def one(job: _Job) -> tuple[GenerationChunk, int]:
+        route = await dispatcher.route(job.request.prompt_token_ids)
+        try:
+            return await dispatcher.serve(route, job.request)
+        except ValueError as error:  # vLLM's own request validation
+            raise InvalidRequest(error_message(error)) from None
+
+    return list(await asyncio.gather(*(one(job) for job in jobs)))
+
+
+class _Opened:
+    """A job's stream whose first chunk already arrived."""
+
+    def __init__(
+        self,
+        index: int,
+        first: tuple[GenerationChunk, int] | None,
+        rest: AsyncGenerator[tuple[GenerationChunk, int], None],
+    ) -> None:
+        self.index = index
+        self.first = first
+        self.rest = rest
+
+
+async def _open(dispatcher: ReplicaDispatcher, job: _Job) -> _Opened:
+    """Start ``job``'s stream and wait for its first chunk: a refusal before any
+    output is still an HTTP error (400 for vLLM's validation, 503 when no replica
+    can serve). A replica failing before its first chunk is replaced once
+    (``stream_served``)."""
+    route = await dispatcher.route(job.request.prompt_token_ids)
+    stream = dispatcher.stream_served(route, job.request)
+    try:
+        first = await anext(stream, None)
+    except ValueError as error:
+        await stream.aclose()
+        raise InvalidRequest(error_message(error)) from None
+    except BaseException:
+        await stream.aclose()
+        raise
+    return _Opened(job.index, first, stream)
+
+
+async def _sse(
+    dispatcher: ReplicaDispatcher,
+    jobs: Sequence[_Job],
+    to_json: ToJson,
+    include_usage: bool,
+) -> StreamingResponse:
+    opened: list[_Opened] = []
+    try:
+        for job in jobs:
+            opened.append(await _open(dispatcher, job))
+    except BaseException:
+        for stream in opened:
+            await stream.rest.aclose()
+        raise
+    ranks = [str(o.first[1]) if o.first else "" for o in opened]
+    headers = {REPLICA_HEADER: ",".join(ranks)}
+    request_id = jobs[0].request.request_id
+    return StreamingResponse(
+        _events(opened, to_json, include_usage, request_id),
+        media_type="text/event-stream",
+        headers=headers,
+    )
+
+
+async def _events(
+    opened: Sequence[_Opened], to_json: ToJson, include_usage: bool, request_id: str
+) -> AsyncIterator[str]:
+    """The SSE events of all streams, interleaved as their chunks arrive."""
+    queue: asyncio.Queue[tuple[int, GenerationChunk | None, Exception | None]] = (
+        asyncio.Queue()
+    )
+
+    async def pump(stream: _Opened) -> None:
+        try:
+            if stream.first is not None:
+                queue.put_nowait((stream.index, stream.first[0], None))
+            async for chunk, _ in stream.rest:
+                queue.put_nowait((stream.index, chunk, None))
+            queue.put_nowait((stream.index, None, None))
+        except Exception as error:  # reported in-band: the 200 is sent
+            queue.put_nowait((stream.index, None, error))
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in opened]
+    last: dict[int, GenerationChunk] = {}
+    try:
+        running = len(tasks)
+        while running:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                logger.error("stream %s failed: %r", request_id, error)
+                payload = {
+                    "error": {"message": error_message(error), "type": "server_error"}
+                }
+                yield f"data: {json.dumps(payload)}\n\n"
+                return
+            if chunk is None:
+                running -= 1
+                continue
+            last[index] = chunk
+            yield f"data: {json.dumps(to_json(index, chunk))}\n\n"
+    finally:
+        # Cancelling a pump closes its stream, which aborts the request on the
+        # replica (a client gone, or another prompt's stream failed).
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if include_usage and last:
+        # OpenAI's stream_options.include_usage: one last chunk, no choices.
+        some = next(iter(last.values()))
+        final = to_json(0, dataclasses.replace(some, text="", token_ids=()))
+        final["choices"] = []
+        final["usage"] = _usage([last[index] for index in sorted(last)])
+        yield f"data: {json.dumps(final)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _usage(chunks: Sequence[GenerationChunk]) -> dict[str, Any]:
+    """Usage of a request's final chunks (one per prompt), summed."""
+    prompt = sum(chunk.prompt_tokens for chunk in chunks)
+    completion = sum(chunk.completion_tokens for chunk in chunks)
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    cached = [chunk.cached_prompt_tokens for chunk in chunks]
+    if all(tokens is not None for tokens in cached):
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": sum(t for t in cached if t is not None)
+        }
+    return usage
+
+
+def _load_headers(finals: Sequence[tuple[GenerationChunk, int]]) -> dict[str, str]:
+    """Who served a finished request and what Xavier loaded for it."""
+    headers = {
+        REPLICA_HEADER: ",".join(str(rank) for _, rank in finals),
+        EXTERNAL_TOKENS_HEADER: str(sum(c.external_prompt_tokens for c, _ in finals)),
+    }
+    holders = {c.external_holder_rank for c, _ in finals} - {None}
+    if len(finals) == 1 and holders:
+        headers[HOLDER_HEADER] = str(holders.pop())
+    return headers
