@@ -50,6 +50,10 @@ def run_cli(server, *args):
             ["--replica", "2", "--enable-xavier", "--pipeline-parallel-size", "4"],
             "must be 1, got 1 and 4",
         ),
+        (
+            ["--replica", "2", "--no-xavier-remote-loads"],
+            "xavier_remote_loads=false (routing only) needs enable_xavier",
+        ),
     ],
 )
 def test_launch_validation_errors(server, model_dir, options, message):
