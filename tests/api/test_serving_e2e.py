@@ -403,7 +403,7 @@ def test_routing_only_never_loads_yet_publishes_the_holder(
     routing_only_run: Run, plain_run: Run
 ) -> None:
     run = routing_only_run
-    assert run.deployment["xavier"].endswith("remote loads off (routing only)")
+    assert "remote loads off (routing only)" in run.deployment["xavier"]
     assert [r["xavier"]["remote_loads"] for r in run.reports] == [False, False]
     # round robin put each group's second request on the replica without the prefix
     assert run.replicas == [0, 1] * WORKLOAD.groups
