@@ -143,9 +143,10 @@ async def phase_ttft3(
         for run in range(args.runs + 1):  # run 0 warms this length up
             prompt = tokens(rng, length)
             await client.on_replica(0, prompt, 1, filler)
-            listed += await wait_listed(
+            found = await wait_listed(
                 client.http, client.model, prompt, (length - 1) // block_size
             )
+            listed += bool(run) and found
             remote = await client.on_replica(1, prompt, 8, filler)
             local = await client.on_replica(1, prompt, 8, filler)
             miss = await client.on_replica(1, tokens(rng, length), 8, filler)
