@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from .model_dirs import build_once
 from .tiny_model import _corpus as synthetic_corpus
 
 VOCAB_SIZE = 128_256
@@ -117,7 +116,7 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 
-_MARKER = "xavier-llama-shaped.json"  # written last: its presence means "complete"
+_MARKER = "xavier-llama-shaped.json"  # the spec a complete build was made from
 
 
 def special_tokens() -> dict[int, str]:
@@ -136,26 +135,10 @@ def special_tokens() -> dict[int, str]:
 def build_llama31_8b_shaped(path: str | os.PathLike[str], **overrides: Any) -> Path:
     """Write the model directory at ``path`` (no weights); reuse a complete one.
 
-    ``overrides`` replace ``config.json`` fields (e.g. fewer layers for a test).
-    The build goes to a temporary sibling renamed into place, so concurrent
-    builders never see a half-written directory.
+    ``overrides`` replace ``config.json`` fields (e.g. fewer layers for a test);
+    a directory built from other fields is rebuilt (``model_dirs.build_once``).
     """
-    target = Path(path)
-    config = {**LLAMA31_8B, **overrides}
-    if _is_built(target, config):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        _write(staging, config)
-        if target.exists():
-            if _is_built(target, config):  # another builder finished first
-                return target
-            shutil.rmtree(target)
-        os.rename(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(path, {**LLAMA31_8B, **overrides}, _MARKER, _write)
 
 
 def kv_bytes_per_token(config: dict[str, Any]) -> int:
@@ -166,20 +149,6 @@ def kv_bytes_per_token(config: dict[str, Any]) -> int:
     return (
         2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
     )
-
-
-def _is_built(target: Path, config: dict[str, Any]) -> bool:
-    marker = target / _MARKER
-    if not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()) == _canonical(config)
-    except ValueError:
-        return False
-
-
-def _canonical(config: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(config, sort_keys=True))
 
 
 def _write(directory: Path, config: dict[str, Any]) -> None:
@@ -200,7 +169,6 @@ def _write(directory: Path, config: dict[str, Any]) -> None:
         "transformers_version": LLAMA31_8B["transformers_version"],
     }
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (directory / _MARKER).write_text(json.dumps(_canonical(config), sort_keys=True))
 
 
 def _tokenizer() -> Any:
