@@ -19,9 +19,10 @@ What is real-shaped and what is not:
   filler tokens that text never encodes to but that decode to readable text (a
   random-weight model samples any id), and ids 128,000-128,255 are Llama 3.1's
   special tokens under their real names and ids.
-- ``tokenizer_config.json`` carries a Llama-3-style chat template (header tokens,
-  ``<|eot_id|>``); ``generation_config.json`` the eos list and the sampling
-  defaults of the release.
+- The tokenizer carries a Llama-3-style chat template (header tokens, ``<|eot_id|>``;
+  transformers writes it to ``chat_template.jinja``) and the Instruct release's
+  bos/eos; ``generation_config.json`` has the release's eos list and sampling
+  defaults.
 
     build_llama31_8b_shaped(path)                          # the 8B shape
     build_llama31_8b_shaped(path, **LLAMA31_MINI)          # a CPU-sized stand-in
