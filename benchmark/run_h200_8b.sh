@@ -132,6 +132,7 @@ launch() {  # launch NAME: two replicas on the one GPU
     $ENGINE $extra > "$LOGS/launch-$1.log" 2>&1
 }
 
+trap stop_server EXIT  # a failed or timed-out call leaves no server or engine
 start_server || exit 1
 # The model directory is written before the launches (seconds; both use it).
 $PY -c "from xinference.core.registry import resolve_model; print(resolve_model('$MODEL_NAME'))" \
