@@ -13,7 +13,8 @@
 #   on-ca     Xavier on, cache-aware
 # Workloads:
 #   misstax   no shared prefixes (serving_benchmark.py unique), run three times on
-#             each deployment, alternating (pairs 1-3, labels NAME#k)
+#             each deployment, alternating (pairs 1-3, labels NAME#k; pair 2 in
+#             the reverse order)
 #   shared    the seed's: 12 prefixes of 1,536 tokens cold, 600 warm at
 #             concurrency 16, 64 output tokens (serving_benchmark.py shared)
 #   docqa     16 documents of 8,192 tokens x 4 questions, concurrency 8
@@ -170,7 +171,9 @@ for workload in $WORKLOADS; do
   case $workload in
     misstax)
       for k in 1 2 3; do
-        for d in "${LIVE[@]}"; do
+        order=("${LIVE[@]}")  # the second pair runs the other way round: position
+        (( k == 2 )) && order=($(printf '%s\n' "${LIVE[@]}" | tac))  # bias shows
+        for d in "${order[@]}"; do
           # shellcheck disable=SC2086
           room 45 "misstax $d#$k" && bench "$d" "$d#$k" "$d-unique-$k" serving_benchmark.py \
             --phases unique $UNIQUE_ARGS
