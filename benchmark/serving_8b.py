@@ -222,7 +222,12 @@ def report(paths: list[Path], base: str) -> str:
         for phase, value in data.get("phases", {}).items():
             runs[data["label"]][phase] = value
     out: list[str] = []
-    plain = {label: phases for label, phases in runs.items() if "#" not in label}
+    # the base first, then the others in file order
+    plain = {
+        label: phases
+        for label, phases in sorted(runs.items(), key=lambda item: item[0] != base)
+        if "#" not in label
+    }
     base_phases = plain.get(base, {})
     if any("shared" in p for p in plain.values()):
         b = base_phases.get("shared")
