@@ -54,6 +54,10 @@ def http(server):
             "cache-aware router needs enable_xavier",
         ),
         (dict(generation_config="greedy"), "generation_config must be one of auto"),
+        (
+            dict(replica=2, xavier_remote_loads=False),
+            "xavier_remote_loads=false (routing only) needs enable_xavier",
+        ),
     ],
 )
 def test_invalid_launch_options_are_a_400(http, model_dir, options, message):

@@ -1,11 +1,12 @@
 """End to end: a real server, real vLLM CPU engines, the CLI, REST and HTTP serving.
 
-Two deployments of the tiny offline model, one after the other (never more than two
-engines alive):
+Three deployments of the tiny offline model, one after the other (never more than
+two engines alive):
 
 - Xavier on, launched with the CLI by registry name, terminated with the CLI;
 - Xavier off, launched with the REST API (Python client) by path, terminated with
-  the REST API.
+  the REST API;
+- routing only (Xavier on with remote loads off), launched with the REST API.
 
 Both serve the same shared-prefix workload through the OpenAI-compatible API. Round
 robin sends each group's second request to the replica that has not seen the
@@ -206,11 +207,8 @@ def xavier_run(server: LocalServer) -> Run:
     return run
 
 
-@pytest.fixture(scope="module")
-def plain_run(server: LocalServer) -> Run:
-    """Xavier off: REST launch by path, workload, REST terminate. (Module fixtures
-    run one after the other: the Xavier deployment is gone by now.)"""
-    run = Run()
+def launch_by_rest(server: LocalServer, run: Run, xavier: bool, **options: Any) -> None:
+    """Launch by path through the REST API, serve the workload, terminate."""
     baseline = server.descendants()
     model_path = str(resolve_model(MODEL_NAME, server.workdir))
     with Client(server.endpoint) as client:
@@ -221,16 +219,41 @@ def plain_run(server: LocalServer) -> Run:
             max_model_len=2048,
             enforce_eager=True,
             dtype=DTYPE,
+            **options,
         )
         uid = run.deployment["model_uid"]
         try:
             run.reports = client.replica_reports(uid)
             run.launched_processes = server.descendants() - baseline
             run.listed = client.list_models()
-            serve_workload(server, uid, run, xavier=False)
+            serve_workload(server, uid, run, xavier=xavier)
         finally:
             run.terminate_output = client.terminate_model(uid)
     run.leftovers = wait_for_no_descendants(server, baseline, EXIT_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def plain_run(server: LocalServer) -> Run:
+    """Xavier off: REST launch by path, workload, REST terminate. (Module fixtures
+    run one after the other: the Xavier deployment is gone by now.)"""
+    run = Run()
+    launch_by_rest(server, run, xavier=False)
+    return run
+
+
+@pytest.fixture(scope="module")
+def routing_only_run(server: LocalServer) -> Run:
+    """Xavier on with remote loads off (the routing-only baseline), round robin so
+    that each group's second request lands where a load would happen."""
+    run = Run()
+    launch_by_rest(
+        server,
+        run,
+        xavier=True,
+        model_uid="routing-only",
+        enable_xavier=True,
+        xavier_remote_loads=False,
+    )
     return run
 
 
@@ -272,6 +295,7 @@ def test_options_arrive_in_each_replica_process(
             "gpu_cache_bytes": 64 * 1024 * 1024,
             "transport": "nixl",  # the default
             "cross_layer_blocks": False,
+            "remote_loads": True,  # the default
             "model_uid": MODEL_NAME,
             "rank": rank,
             "tracker_address": report["xavier"]["tracker_address"],
@@ -370,3 +394,29 @@ def test_outputs_equal_with_and_without_xavier(xavier_run: Run, plain_run: Run) 
     assert all(xavier_run.texts)
     assert xavier_run.stream_text == plain_run.stream_text == xavier_run.texts[0]
     assert xavier_run.chat_text == plain_run.chat_text
+
+
+# ---- routing only: Xavier publishes, nobody loads -----------------------------------
+
+
+def test_routing_only_never_loads_yet_publishes_the_holder(
+    routing_only_run: Run, plain_run: Run
+) -> None:
+    run = routing_only_run
+    assert "remote loads off (routing only)" in run.deployment["xavier"]
+    assert [r["xavier"]["remote_loads"] for r in run.reports] == [False, False]
+    # round robin put each group's second request on the replica without the prefix
+    assert run.replicas == [0, 1] * WORKLOAD.groups
+    # ... which computed it: nothing was loaded, from anyone
+    assert run.cached_tokens[1 :: WORKLOAD.per_group] == [0] * WORKLOAD.groups
+    assert run.external_tokens == [0] * len(run.external_tokens)
+    assert set(run.holders) == {None}
+    for rank in (0, 1):
+        assert metric(run, "xavier_remote_hits_total", rank) == 0
+    # yet the tracker knows who holds every prefix (what the cache-aware router asks)
+    assert len(run.prefix_lookups) == WORKLOAD.groups
+    for lookup in run.prefix_lookups:
+        assert lookup["holder"] in (0, 1)
+        assert lookup["prefix_blocks"] >= PREFIX_BLOCKS
+    assert run.texts == plain_run.texts
+    assert run.leftovers == set()

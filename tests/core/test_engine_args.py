@@ -89,3 +89,24 @@ def test_a_launch_carries_its_engine_arguments(tmp_path):
 )
 def test_cli_values_read_as_upstream_reads_them(text, value):
     assert parse_cli_value(text) == value
+
+
+def test_load_format_dummy_reaches_vllm_from_the_command_line(tmp_path):
+    """`xinference launch ... --load-format dummy` (a free argument: the 8B-shaped
+    benchmark model has no weight files) arrives in the engine's arguments."""
+    from xinference.core.messages import ReplicaSpec
+    from xinference.core.vllm_engine import build_engine_args
+    from xinference.deploy.cmdline import _free_arguments
+
+    free = _free_arguments(["--load-format", "dummy"])
+    assert free == {"load_format": "dummy"}
+    spec = LaunchSpec.from_options(model_path=str(tmp_path), replica=2, **free)
+    assert dict(spec.engine.extra) == {"load_format": "dummy"}
+    replica = ReplicaSpec(
+        model_uid=spec.model_uid,
+        rank=0,
+        num_replicas=2,
+        model_path=str(tmp_path),
+        engine=spec.engine,
+    )
+    assert build_engine_args(replica).load_format == "dummy"

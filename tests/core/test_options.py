@@ -37,6 +37,19 @@ def test_gpu_cache_sizes(model_dir, size, expected):
     assert spec.xavier.gpu_first == (expected is not None)
 
 
+def test_routing_only_keeps_publishing_and_turns_loads_off(model_dir):
+    spec = launch(
+        model_dir,
+        replica=2,
+        enable_xavier=True,
+        xavier_remote_loads=False,
+        router="cache-aware",
+    )
+    assert spec.xavier.enabled and not spec.xavier.remote_loads
+    assert spec.xavier.describe().endswith(", remote loads off (routing only)")
+    assert launch(model_dir, replica=2, enable_xavier=True).xavier.remote_loads
+
+
 def test_xavier_off_is_the_default(model_dir):
     spec = launch(model_dir)
     assert not spec.xavier.enabled
@@ -104,6 +117,14 @@ def test_generation_config_defaults_to_auto_and_reaches_the_engine(model_dir):
         (
             dict(replica=2, router="cache-aware"),
             "cache-aware router needs enable_xavier",
+        ),
+        (
+            dict(replica=2, xavier_remote_loads=False),
+            "xavier_remote_loads=false (routing only) needs enable_xavier",
+        ),
+        (
+            dict(replica=2, enable_xavier=True, xavier_remote_loads="no"),
+            "xavier_remote_loads must be a boolean, got 'no'",
         ),
         (dict(router="random"), "unknown router 'random'"),
         (dict(replica=0), "replica must be >= 1, got 0"),
@@ -208,3 +229,13 @@ def _literal(text):
     import re
 
     return re.escape(text)
+
+
+def test_remote_loads_reach_the_connector_settings(model_dir):
+    """The switch travels in kv_connector_extra_config as a plain dict."""
+    from xinference.model.llm.vllm.xavier.config import XavierReplicaSettings
+
+    spec = launch(model_dir, replica=2, enable_xavier=True, xavier_remote_loads=False)
+    settings = XavierReplicaSettings(spec.xavier, "m", 1, "t", "tu", "nixl://x", "xu")
+    back = XavierReplicaSettings.from_dict(settings.to_dict())
+    assert back.config == spec.xavier and back.config.remote_loads is False

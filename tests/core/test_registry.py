@@ -9,7 +9,12 @@ from xinference.core.registry import UnknownModelError, registered_models, resol
 
 def test_builtin_names(tmp_path):
     models = registered_models(tmp_path)
-    assert {"tiny-qwen2", "qwen2.5-0.5b-shaped"} <= set(models)
+    assert {
+        "tiny-qwen2",
+        "qwen2.5-0.5b-shaped",
+        "llama-3.1-8b-shaped",
+        "llama-3.1-shaped-mini",
+    } <= set(models)
 
 
 def test_user_entries_name_local_directories(tmp_path):
@@ -38,3 +43,15 @@ def test_builtin_tiny_model_builds_offline(tmp_path):
     path = resolve_model("tiny-qwen2", tmp_path)
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert path == tmp_path / "models" / "tiny-qwen2"
+
+
+@pytest.mark.slow
+def test_builtin_llama_shapes_build_offline_without_weights(tmp_path):
+    big = resolve_model("llama-3.1-8b-shaped", tmp_path)
+    mini = resolve_model("llama-3.1-shaped-mini", tmp_path)
+    layers = [
+        json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        for path in (big, mini)
+    ]
+    assert layers == [32, 2]
+    assert not list(big.glob("*.safetensors")) and (big / "tokenizer.json").is_file()

@@ -51,6 +51,10 @@ def run_cli(server, *args):
             "must be 1, got 1 and 4",
         ),
         (["--generation-config", "greedy"], "generation_config must be one of auto"),
+        (
+            ["--replica", "2", "--no-xavier-remote-loads"],
+            "xavier_remote_loads=false (routing only) needs enable_xavier",
+        ),
     ],
 )
 def test_launch_validation_errors(server, model_dir, options, message):

@@ -29,6 +29,7 @@ class LaunchRequest(BaseModel):
     xavier_gpu_cache_bytes: int | str | None = None
     xavier_transport: str = DEFAULT_TRANSPORT
     xavier_cross_layer_blocks: bool = False
+    xavier_remote_loads: bool = True
     router: str = "round-robin"
     router_busy_margin: int = 2
     tensor_parallel_size: int = 1

@@ -93,6 +93,7 @@ class LaunchSpec:
         xavier_gpu_cache_bytes: int | str | None = None,
         xavier_transport: str = DEFAULT_TRANSPORT,
         xavier_cross_layer_blocks: bool = False,
+        xavier_remote_loads: bool = True,
         router: str = "round-robin",
         router_busy_margin: int = 2,
         tensor_parallel_size: int = 1,
@@ -179,6 +180,7 @@ class LaunchSpec:
             xavier_gpu_cache_bytes,
             xavier_transport,
             xavier_cross_layer_blocks,
+            xavier_remote_loads,
             engine=engine_name,
             replica=replica,
             tensor_parallel_size=tensor_parallel_size,
@@ -254,6 +256,7 @@ def _xavier_config(
     gpu_cache_bytes: int | str | None,
     transport: str,
     cross_layer_blocks: bool,
+    remote_loads: bool,
     *,
     engine: str,
     replica: int,
@@ -269,6 +272,11 @@ def _xavier_config(
         if cross_layer_blocks:
             raise LaunchOptionError(
                 "xavier_cross_layer_blocks is set but enable_xavier is not"
+            )
+        if not _require_bool("xavier_remote_loads", remote_loads):
+            raise LaunchOptionError(
+                "xavier_remote_loads=false (routing only) needs enable_xavier: the "
+                "replicas publish what they hold through Xavier's block tracker"
             )
         return XavierConfig(enabled=False)
     if engine != "vllm":
@@ -298,6 +306,7 @@ def _xavier_config(
             cross_layer_blocks=_require_bool(
                 "xavier_cross_layer_blocks", cross_layer_blocks
             ),
+            remote_loads=_require_bool("xavier_remote_loads", remote_loads),
         )
     except ValueError as error:
         raise LaunchOptionError(str(error)) from None

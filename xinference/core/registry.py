@@ -40,6 +40,18 @@ def _qwen25_05b_shaped(directory: Path) -> Path:
     return qwen25_05b_shaped(directory)
 
 
+def _llama31_8b_shaped(directory: Path) -> Path:
+    from ..model.llm.llama_shaped import build_llama31_8b_shaped
+
+    return build_llama31_8b_shaped(directory)
+
+
+def _llama31_shaped_mini(directory: Path) -> Path:
+    from ..model.llm.llama_shaped import LLAMA31_MINI, build_llama31_8b_shaped
+
+    return build_llama31_8b_shaped(directory, **LLAMA31_MINI)
+
+
 BUILTIN_MODELS: dict[str, RegisteredModel] = {
     model.name: model
     for model in (
@@ -52,6 +64,18 @@ BUILTIN_MODELS: dict[str, RegisteredModel] = {
             "qwen2.5-0.5b-shaped",
             "random weights with Qwen2.5-0.5B's attention shape (benchmarks)",
             build=_qwen25_05b_shaped,
+        ),
+        RegisteredModel(
+            "llama-3.1-8b-shaped",
+            "Llama-3.1-8B's config and vocabulary, no weights: serve it with "
+            "--load-format dummy (GPU benchmarks)",
+            build=_llama31_8b_shaped,
+        ),
+        RegisteredModel(
+            "llama-3.1-shaped-mini",
+            "the same tokenizer and vocabulary, 2 small layers, no weights: "
+            "--load-format dummy (CPU dry runs of the 8B benchmarks)",
+            build=_llama31_shaped_mini,
         ),
     )
 }

@@ -391,6 +391,13 @@ def _endpoint(
     help="ask vLLM for one KV allocation where a block of every layer is contiguous",
 )
 @click.option(
+    "--xavier-remote-loads/--no-xavier-remote-loads",
+    default=True,
+    show_default=True,
+    help="off: replicas publish what they hold (for --router cache-aware) but never "
+    "load KV from a peer (routing only)",
+)
+@click.option(
     "--router",
     default="round-robin",
     show_default=True,

@@ -63,12 +63,17 @@ class XavierConfig:
     byte budget (rounded down to whole blocks by the store).
     ``cross_layer_blocks``: ask vLLM for one KV allocation in which a block of
     every layer is contiguous (where its model runner offers it).
+    ``remote_loads``: False keeps everything but the loads: replicas still stage
+    and publish their blocks, so the tracker (and the cache-aware router) knows who
+    holds what, but no replica loads from a peer ("routing only", the baseline
+    that tells what moving KV adds to routing each request to its prefix).
     """
 
     enabled: bool = False
     gpu_cache_bytes: int | None = None
     transport: str = DEFAULT_TRANSPORT
     cross_layer_blocks: bool = False
+    remote_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.gpu_cache_bytes is not None and self.gpu_cache_bytes < 0:
@@ -87,6 +92,7 @@ class XavierConfig:
         xavier_gpu_cache_bytes: int | str | None = None,
         xavier_transport: str = DEFAULT_TRANSPORT,
         xavier_cross_layer_blocks: bool = False,
+        xavier_remote_loads: bool = True,
     ) -> XavierConfig:
         size = (
             None
@@ -98,6 +104,7 @@ class XavierConfig:
             gpu_cache_bytes=size,
             transport=xavier_transport,
             cross_layer_blocks=bool(xavier_cross_layer_blocks),
+            remote_loads=bool(xavier_remote_loads),
         )
 
     @property
@@ -113,7 +120,8 @@ class XavierConfig:
         else:
             tier = f"GPU-first, device budget {self.gpu_cache_bytes} bytes"
         layout = ", cross-layer KV blocks" if self.cross_layer_blocks else ""
-        return f"Xavier: on, {tier}, transport {self.transport}{layout}"
+        loads = "" if self.remote_loads else ", remote loads off (routing only)"
+        return f"Xavier: on, {tier}, transport {self.transport}{layout}{loads}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +150,7 @@ class XavierReplicaSettings:
             "gpu_cache_bytes": self.config.gpu_cache_bytes,
             "transport": self.config.transport,
             "cross_layer_blocks": self.config.cross_layer_blocks,
+            "remote_loads": self.config.remote_loads,
             "model_uid": self.model_uid,
             "rank": self.rank,
             "tracker_address": self.tracker_address,
@@ -159,6 +168,7 @@ class XavierReplicaSettings:
                 gpu_cache_bytes=data["gpu_cache_bytes"],
                 transport=data.get("transport", DEFAULT_TRANSPORT),
                 cross_layer_blocks=bool(data.get("cross_layer_blocks", False)),
+                remote_loads=bool(data.get("remote_loads", True)),
             )
             return cls(
                 config=config,

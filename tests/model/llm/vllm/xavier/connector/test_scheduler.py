@@ -103,6 +103,7 @@ def make_side(
     query_prefix: Any = None,
     mirror: TrackerMirror | None = None,
     reply_wait_s: float = 5.0,
+    remote_loads: bool = True,
 ) -> SchedulerSide:
     """A loader's scheduler half. ``reply_wait_s`` defaults past every deadline
     here, so that a lookup answers at once as it did before answers could be
@@ -120,6 +121,7 @@ def make_side(
             rpc_timeout_s=rpc_timeout_s,
             backoff_s=60.0,
             reply_wait_s=reply_wait_s,
+            remote_loads=remote_loads,
         ),
         loop,
         query_prefix or ask_tracker,
@@ -172,6 +174,22 @@ def test_local_prefix_covering_the_lookup_asks_nobody(loop, tracker):
     side = make_side(loop, tracker, holder)
     assert side.num_new_matched_tokens("r", prompt, 8) == (0, False)
     assert holder.reserved == []
+
+
+def test_routing_only_never_loads_yet_stages(loop, tracker):
+    """Remote loads off (routing only): a prefix the tracker lists on a peer is
+    neither looked up nor reserved, and the request's own blocks are still staged,
+    so the tracker (and the cache-aware router) learns what this replica holds."""
+    holder = Holder()
+    prompt = list(range(9))
+    keys = publish(tracker, holder, prompt)
+    side = make_side(loop, tracker, holder, remote_loads=False)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (0, False)
+    assert holder.reserved == [] and side.stats["lookups"] == 0
+    side.on_allocated("r", [[4, 5, 6]], 0)
+    step = side.build_step([ScheduledRequest("r", 0, 9, [4, 5, 6], whole_table=True)])
+    assert step.loads == ()
+    assert [(s.key, s.block_id) for s in step.stage] == [(keys[0], 4), (keys[1], 5)]
 
 
 def test_no_identity_yet_is_a_miss(loop, tracker):

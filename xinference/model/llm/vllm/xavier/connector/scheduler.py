@@ -65,6 +65,8 @@ class SchedulerSettings:
     # millisecond or two (then the load is planned in this very pass); a stopped
     # one must not hold up every other request of the replica.
     reply_wait_s: float = 0.005
+    # False: routing only (``XavierConfig.remote_loads``): look nothing up.
+    remote_loads: bool = True
 
 
 @dataclass(slots=True)
@@ -187,6 +189,7 @@ class SchedulerSide:
             lookup_blocks <= local_blocks
             or self._identity is None
             or not allow_remote
+            or not self._settings.remote_loads
             or state.load_attempted
         ):
             self._drop_reservation(state)

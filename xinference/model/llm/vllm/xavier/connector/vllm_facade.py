@@ -157,6 +157,7 @@ class XavierConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,
+                remote_loads=options.config.remote_loads,
             )
             mirror = TrackerMirror(
                 self._mirror_changes, rpc_timeout_s=options.rpc_timeout_s
