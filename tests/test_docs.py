@@ -235,14 +235,14 @@ def command_errors(words: list[str]) -> list[str]:
 
 def _commands(text: str) -> Iterator[list[str]]:
     """The command lines that run one of PROGRAMS, as words."""
-    prose, code = _prose_and_code(text)
+    _, code = _prose_and_code(text)
     lines = "\n".join(code).replace("\\\n", " ").splitlines()
     lines += [span for span in _spans(text)]
     for line in lines:
         for segment in re.split(r"&&|;|\|", line):
             try:
                 words = shlex.split(segment, comments=True)
-            except ValueError:
+            except ValueError:  # a quote cut by the split: a curl line's JSON
                 continue
             while words and re.match(r"^[A-Z_]+=", words[0]):
                 words = words[1:]  # VAR=value before the program
