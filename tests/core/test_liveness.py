@@ -11,10 +11,11 @@ import time
 import pytest
 import xoscar as xo
 
+from xinference.core.deployment import Deployment
 from xinference.core.liveness import LivenessMonitor
 from xinference.core.messages import ReplicaInfo
 from xinference.core.options import LaunchSpec
-from xinference.core.supervisor import SupervisorActor, _Deployment
+from xinference.core.supervisor import SupervisorActor
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
 
@@ -72,7 +73,7 @@ async def deployment(pool, tmp_path, num_replicas=3):
     spec = LaunchSpec.from_options(
         model_path=str(tmp_path), replica=num_replicas, enable_xavier=True
     )
-    record = _Deployment(spec)
+    record = Deployment(spec)
     record.state = "ready"
     worker = await xo.create_actor(FakeWorker, address=address, uid="worker")
     record.workers = {rank: worker for rank in range(num_replicas)}

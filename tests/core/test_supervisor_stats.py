@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from xinference.core import supervisor as supervisor_module
+from xinference.core.deployment import Deployment
 from xinference.core.heartbeat import HeartbeatSettings
 from xinference.core.messages import ReplicaStats
-from xinference.core.supervisor import SupervisorActor, _Deployment
+from xinference.core.supervisor import SupervisorActor
 
 
 def counters(rank: int) -> ReplicaStats:
@@ -61,7 +62,7 @@ async def test_a_silent_or_failing_replica_is_left_out_of_the_stats(
 ) -> None:
     monkeypatch.setattr(supervisor_module, "STATS_TIMEOUT_S", 0.3)
     supervisor = SupervisorActor(HeartbeatSettings())
-    supervisor._models["m"] = _Deployment(
+    supervisor._models["m"] = Deployment(
         spec=SimpleNamespace(model_uid="m"),
         state="ready",
         models={0: Answers(0), 1: Stopped(), 2: Fails(), 3: Answers(3)},
@@ -78,7 +79,7 @@ async def test_a_silent_or_failing_replica_is_left_out_of_the_stats(
 
 async def test_stats_of_a_model_that_is_not_ready_are_empty() -> None:
     supervisor = SupervisorActor(HeartbeatSettings())
-    supervisor._models["m"] = _Deployment(
+    supervisor._models["m"] = Deployment(
         spec=SimpleNamespace(model_uid="m"), models={0: Stopped()}
     )
     assert await supervisor.collect_stats("m") == []

@@ -26,13 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xoscar as xo
 from xoscar.errors import ServerClosed
 
-if TYPE_CHECKING:
-    from .supervisor import _Deployment
+from .deployment import Deployment
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +48,8 @@ class LivenessMonitor:
 
     def __init__(
         self,
-        record: _Deployment,
-        mark_gone: Callable[[_Deployment, list[int], str], Awaitable[None]],
+        record: Deployment,
+        mark_gone: Callable[[Deployment, list[int], str], Awaitable[None]],
         *,
         interval_s: float = LIVENESS_INTERVAL_S,
         probe_s: float = PROBE_TIMEOUT_S,

@@ -13,6 +13,10 @@ Launching a model with ``replica=N``:
 Terminating reverses it: engines first (no new loads start), then the transfer
 actors (they drain and log their counters), then the sub-pools and whatever they
 spawned, then the tracker. A launch that fails half-way is torn down the same way.
+
+The workers (registration, heartbeats, which worker gets which rank, what a lost
+worker's replicas become) are ``core/workers.py``'s; the record of a deployment is
+``core/deployment.py``'s, shared with the replica liveness monitor.
 """
 
 from __future__ import annotations
@@ -21,8 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,13 +33,12 @@ import xoscar as xo
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
 from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
-from .cluster_secret import WorkerRefused, secret_matches
-from .heartbeat import HeartbeatSettings, WorkerLiveness, watch_workers
+from .deployment import Deployment
+from .heartbeat import HeartbeatSettings
 from .liveness import PROBE_TIMEOUT_S, LivenessMonitor
 from .messages import (
     DeploymentInfo,
     LaunchProgress,
-    ReplicaInfo,
     ReplicaReport,
     ReplicaSpec,
     ReplicaStates,
@@ -46,6 +48,7 @@ from .messages import (
 from .model import model_actor_uid
 from .options import LaunchOptionError, LaunchSpec
 from .registry import resolve_model
+from .workers import WorkerRegistry, host_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,6 @@ SHUTDOWN_TIMEOUT_S = 120.0
 # figures of the others (a scraper gives up after 10 s by default).
 STATS_TIMEOUT_S = PROBE_TIMEOUT_S
 XAVIER_READY_TIMEOUT_S = 120.0
-TRACKER_FORGET_TIMEOUT_S = 5.0
 PROGRESS_LOG_INTERVAL_S = 10.0
 
 T = TypeVar("T")
@@ -74,57 +76,9 @@ class LaunchCancelled(RuntimeError):
     replica served."""
 
 
-@dataclass
-class _Deployment:
-    """The supervisor's private, mutable record of one model."""
-
-    spec: LaunchSpec
-    started: float = field(default_factory=time.monotonic)
-    created: float = field(default_factory=time.time)
-    state: str = "launching"
-    detail: str = "validating"
-    workers: dict[int, Any] = field(default_factory=dict)  # rank -> worker ref
-    tracker: Any = None
-    addresses: dict[int, str] = field(default_factory=dict)  # rank -> sub-pool
-    replicas: dict[int, ReplicaInfo] = field(default_factory=dict)  # rank -> loaded
-    models: dict[int, Any] = field(default_factory=dict)  # rank -> model actor ref
-    model_path: str = ""
-    ucx: str = ""  # the UCX transports the replicas may use (placement's account)
-    task: asyncio.Task[DeploymentInfo] | None = None  # the launch, while it runs
-    # rank -> why it is gone for good (worker lost; engine or process died)
-    gone: dict[int, str] = field(default_factory=dict)
-    # rank -> why it gets no requests for now (missed its last health probe)
-    unresponsive: dict[int, str] = field(default_factory=dict)
-    monitor: asyncio.Task[None] | None = None  # replica liveness, while ready
-
-    def live_ranks(self, ranks: Iterable[int]) -> list[int]:
-        return sorted(rank for rank in ranks if rank not in self.gone)
-
-    def progress(self) -> LaunchProgress:
-        state, detail = self.state, self.detail
-        if state == "ready" and (self.gone or self.unresponsive):
-            # Still serving on the others: say which replicas are not and why.
-            state = "degraded"
-            detail = "; ".join(
-                [f"replica {r} gone: {why}" for r, why in sorted(self.gone.items())]
-                + [
-                    f"replica {r} unresponsive: {why}"
-                    for r, why in sorted(self.unresponsive.items())
-                ]
-            )
-        return LaunchProgress(
-            model_uid=self.spec.model_uid,
-            state=state,
-            replicas_ready=len(self.live_ranks(self.replicas))
-            - len([r for r in self.unresponsive if r not in self.gone]),
-            replicas_total=self.spec.replica,
-            detail=detail,
-            elapsed_s=time.monotonic() - self.started,
-        )
-
-
-class SupervisorActor(xo.StatelessActor):
-    """One per cluster. Also hosts each Xavier model's block tracker."""
+class SupervisorActor(xo.StatelessActor, WorkerRegistry):
+    """One per cluster. Also hosts each Xavier model's block tracker; its workers
+    are ``WorkerRegistry``'s."""
 
     def __init__(
         self,
@@ -132,137 +86,18 @@ class SupervisorActor(xo.StatelessActor):
         cluster_secret: str | None = None,
     ) -> None:
         super().__init__()
-        # None: any worker joins (a cluster on one host, authentication off)
-        self._cluster_secret = cluster_secret
-        self._workers: dict[str, Any] = {}  # worker address -> ref (live ones)
-        self._models: dict[str, _Deployment] = {}  # model uid -> record
-        self._liveness = WorkerLiveness(heartbeat or HeartbeatSettings.from_env())
-        self._watch: asyncio.Task[None] | None = None
+        self._models: dict[str, Deployment] = {}  # model uid -> record
+        self._init_workers(heartbeat, cluster_secret)
 
     @classmethod
     def default_uid(cls) -> str:
         return "supervisor"
 
     async def __post_create__(self) -> None:
-        self._watch = asyncio.create_task(
-            watch_workers(self._liveness, self._worker_gone)
-        )
+        self._start_watching()
 
     async def __pre_destroy__(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-
-    async def register_worker(
-        self, address: str, uid: str | bytes, cluster_secret: str | None = None
-    ) -> list[str]:
-        """Add a worker (or take back one that was declared gone); the sub-pool
-        addresses of the replicas it hosts that still serve (a worker registering
-        again removes any other sub-pool it has: after a network cut its replicas
-        were declared gone). A worker in this supervisor's own process
-        (``xinference-local``) is not watched. With a cluster secret set, a
-        worker without it is refused (``WorkerRefused``)."""
-        if not secret_matches(self._cluster_secret, cluster_secret):
-            logger.warning(
-                "worker at %s refused: wrong or missing cluster secret", address
-            )
-            raise WorkerRefused(
-                f"the supervisor refused the worker at {address}: wrong or missing "
-                "cluster secret (--cluster-secret or $XINFERENCE_CLUSTER_SECRET)"
-            )
-        self._workers[address] = await xo.actor_ref(address=address, uid=uid)
-        if address != self.address:
-            self._liveness.register(address, time.monotonic())
-        logger.info(
-            "worker registered at %s%s",
-            address,
-            (
-                ""
-                if address == self.address
-                else f" ({self._liveness.settings.describe()})"
-            ),
-        )
-        return [
-            record.addresses[rank]
-            for record in self._models.values()
-            for rank, worker in record.workers.items()
-            if rank not in record.gone
-            and worker.address == address
-            and rank in record.addresses
-        ]
-
-    async def worker_heartbeat(self, address: str) -> bool:
-        """A worker is alive; False: not registered here, it must register again."""
-        return self._liveness.beat(address, time.monotonic())
-
-    async def unregister_worker(self, address: str) -> None:
-        """A worker leaving on purpose (its process stops)."""
-        await self._worker_gone(address, f"worker {address} stopped")
-
-    async def list_workers(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        return [
-            {
-                "address": address,
-                "host": _host(address),
-                "silent_for_s": self._liveness.silent_for(address, now),
-                "replicas": sorted(
-                    (uid, rank)
-                    for uid, record in self._models.items()
-                    for rank, worker in record.workers.items()
-                    if worker.address == address and rank not in record.gone
-                ),
-            }
-            for address in self._workers
-        ]
-
-    async def _worker_gone(self, address: str, reason: str) -> None:
-        self._liveness.forget(address)
-        if self._workers.pop(address, None) is None:
-            return
-        logger.warning("%s: its replicas are gone", reason)
-        for record in list(self._models.values()):
-            ranks = [
-                rank
-                for rank, worker in record.workers.items()
-                if worker.address == address
-            ]
-            if not ranks:
-                continue
-            await self._mark_replicas_gone(record, ranks, reason)
-            if record.state == "launching" and record.task is not None:
-                record.detail = f"cancelled: {reason}"
-                record.task.cancel()
-
-    async def _mark_replicas_gone(
-        self, record: _Deployment, ranks: Iterable[int], reason: str
-    ) -> None:
-        """Take replicas out of service: remember why, and have the block tracker
-        forget what they held (a tracker that is gone itself is no obstacle)."""
-        new = [rank for rank in ranks if rank not in record.gone]
-        if not new:
-            return
-        for rank in new:
-            record.gone[rank] = reason
-            record.unresponsive.pop(rank, None)
-        if record.tracker is not None:
-            for rank in new:
-                try:
-                    await _deadline(record.tracker.forget_replica(rank), RPC_TIMEOUT_S)
-                except Exception as error:
-                    logger.warning(
-                        "%s: the tracker could not forget replica %d: %r",
-                        record.spec.model_uid,
-                        rank,
-                        error,
-                    )
-        logger.warning(
-            "%s: replica(s) %s gone (%s); %d of %d serve",
-            record.spec.model_uid,
-            ", ".join(map(str, new)),
-            reason,
-            len(record.live_ranks(range(record.spec.replica))),
-            record.spec.replica,
-        )
+        self._stop_watching()
 
     async def gone_replicas(self, model_uid: str) -> dict[int, str]:
         return dict(self._record(model_uid).gone)
@@ -303,35 +138,18 @@ class SupervisorActor(xo.StatelessActor):
         record.task.cancel()
         await asyncio.gather(record.task, return_exceptions=True)
 
-    def _register(self, spec: LaunchSpec) -> _Deployment:
+    def _register(self, spec: LaunchSpec) -> Deployment:
         uid = spec.model_uid
         if uid in self._models:
             raise LaunchOptionError(f"model {uid!r} is already launched")
         if not self._workers:
             raise RuntimeError("no worker is registered with the supervisor")
         self._assign_workers(spec)  # refuse an unknown worker_ip up front
-        record = _Deployment(spec)
+        record = Deployment(spec)
         self._models[uid] = record
         return record
 
-    def _assign_workers(self, spec: LaunchSpec) -> list[Any]:
-        """Rank -> worker ref: round-robin over the live workers (in registration
-        order), or over those at ``worker_ip``."""
-        if not self._workers:
-            raise RuntimeError("no worker is registered with the supervisor")
-        candidates = [
-            ref
-            for address, ref in self._workers.items()
-            if spec.worker_ip is None or _host(address) == spec.worker_ip
-        ]
-        if not candidates:
-            known = ", ".join(sorted({_host(address) for address in self._workers}))
-            raise LaunchOptionError(
-                f"no worker at worker_ip {spec.worker_ip!r}; workers are at: {known}"
-            )
-        return [candidates[rank % len(candidates)] for rank in range(spec.replica)]
-
-    async def _run_launch(self, record: _Deployment) -> DeploymentInfo:
+    async def _run_launch(self, record: Deployment) -> DeploymentInfo:
         spec = record.spec
         uid = spec.model_uid
         logger.info(
@@ -374,7 +192,7 @@ class SupervisorActor(xo.StatelessActor):
         )
         return self._deployment_info(record)
 
-    async def _launch(self, record: _Deployment) -> None:
+    async def _launch(self, record: Deployment) -> None:
         spec = record.spec
         uid = spec.model_uid
         if spec.model_path is None:
@@ -478,7 +296,7 @@ class SupervisorActor(xo.StatelessActor):
                 for rank in range(spec.replica)
             )
 
-    async def _plan(self, record: _Deployment) -> list[Any]:
+    async def _plan(self, record: Deployment) -> list[Any]:
         """Each worker plans its share of the ranks (its GPUs, its environment);
         the placements come back renumbered with the deployment's ranks."""
         spec = record.spec
@@ -500,7 +318,7 @@ class SupervisorActor(xo.StatelessActor):
             for rank, placement in zip(ranks, plan, strict=True):
                 placements[rank] = dataclasses.replace(placement, rank=rank)
             if plan and plan[0].ucx:
-                accounts.setdefault(plan[0].ucx, []).append(_host(address))
+                accounts.setdefault(plan[0].ucx, []).append(host_of(address))
         if len(accounts) == 1 or len(shares) == 1:
             record.ucx = next(iter(accounts), "")
         else:  # the workers differ (a GPU host and a CPU host, say): name them
@@ -524,7 +342,7 @@ class SupervisorActor(xo.StatelessActor):
             transfer_uid=transfer_actor_uid(spec.model_uid, rank),
         )
 
-    async def _log_progress(self, record: _Deployment) -> None:
+    async def _log_progress(self, record: Deployment) -> None:
         while True:
             await asyncio.sleep(PROGRESS_LOG_INTERVAL_S)
             progress = record.progress()
@@ -630,7 +448,7 @@ class SupervisorActor(xo.StatelessActor):
         ]:
             await self.terminate_model(uid)
 
-    async def _teardown(self, record: _Deployment) -> dict[int, dict[str, Any]]:
+    async def _teardown(self, record: Deployment) -> dict[int, dict[str, Any]]:
         uid = record.spec.model_uid
         errors: list[str] = []
 
@@ -691,13 +509,13 @@ class SupervisorActor(xo.StatelessActor):
 
     # ---- helpers ------------------------------------------------------------------
 
-    def _record(self, model_uid: str) -> _Deployment:
+    def _record(self, model_uid: str) -> Deployment:
         record = self._models.get(model_uid)
         if record is None:
             raise LookupError(f"model {model_uid!r} is not launched")
         return record
 
-    def _deployment_info(self, record: _Deployment) -> DeploymentInfo:
+    def _deployment_info(self, record: Deployment) -> DeploymentInfo:
         spec = record.spec
         return DeploymentInfo(
             model_uid=spec.model_uid,
@@ -716,12 +534,11 @@ class SupervisorActor(xo.StatelessActor):
             created=record.created,
             model_name=spec.model_name or Path(record.model_path).name,
             quantization=dict(spec.engine.extra).get("quantization"),
-            generation_config=spec.engine.generation_config,
             unresponsive=dict(record.unresponsive),
         )
 
 
-def _serving(record: _Deployment) -> list[int]:
+def _serving(record: Deployment) -> list[int]:
     """Ranks that can answer now (not gone, not missing health probes)."""
     return [
         rank
@@ -730,11 +547,7 @@ def _serving(record: _Deployment) -> list[int]:
     ]
 
 
-def _host(address: str) -> str:
-    return address.split("://", 1)[-1].rsplit(":", 1)[0]
-
-
-async def _launch_result(record: _Deployment) -> DeploymentInfo:
+async def _launch_result(record: Deployment) -> DeploymentInfo:
     """Wait for a launch; a launch that was cancelled raises ``LaunchCancelled``
     (our caller being cancelled still raises ``CancelledError``)."""
     assert record.task is not None

@@ -36,7 +36,7 @@ import xinference.model.llm.vllm.xavier.transports.nixl.transport as nixl_transp
 from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
 from xinference.model.llm.vllm.xavier.transports.base import TransportContext
-from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import PeerPath
+from xinference.model.llm.vllm.xavier.transports.nixl.peers import PeerPath
 from xinference.model.llm.vllm.xavier.transports.nixl.placement import PLACEMENT_SLAB
 from xinference.model.llm.vllm.xavier.transports.nixl.transport import (
     NixlDirectTransport,

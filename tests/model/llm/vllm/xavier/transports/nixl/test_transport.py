@@ -25,10 +25,8 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
     PACKED_KV_NHD_LAYOUT,
     detect_layout,
 )
-from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import (
-    NixlAgentEndpoint,
-    PeerPath,
-)
+from xinference.model.llm.vllm.xavier.transports.nixl.endpoint import NixlAgentEndpoint
+from xinference.model.llm.vllm.xavier.transports.nixl.peers import PeerPath
 from xinference.model.llm.vllm.xavier.transports.nixl.placement import (
     PLACEMENT_AUTO,
     PLACEMENT_ENGINE,

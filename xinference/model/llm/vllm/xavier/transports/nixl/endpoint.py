@@ -6,8 +6,9 @@ nothing is registered again, except a fresh receive slab when a READ into the ol
 one missed its deadline. Peers are met once (their partial metadata loaded, a
 connection made, one row READ as a check of the path, so a missing zero-copy path
 fails there with its reason rather than on every load) and again only when their
-generation changes. READs themselves are ``reads.ReadWaiter``'s; the descriptor
-lists prepared once for them, ``row_lists.RowLists``.
+generation changes (that check READ is planned and explained in ``peers.py``). READs
+themselves are ``reads.ReadWaiter``'s; the descriptor lists prepared once for them,
+``row_lists.RowLists``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...aio import finish_even_if_cancelled
-from .plan import EngineBlockMap, ReadPlan, _merged_plan, _u64
+from .peers import PeerPath, check_failed, check_plan
+from .plan import EngineBlockMap, ReadPlan
 from .reads import DEST_PROBE, DEST_SLAB, ReadWaiter
 from .row_lists import RowLists
 from .ucx import (
@@ -56,38 +57,6 @@ MAX_ENGINE_SEGMENTS = 8
 # agent that owns the request: kept alive for the life of the process, because freeing
 # it would let a late write land in memory reused for something else.
 _QUARANTINE: list[Any] = []
-
-
-@dataclass(frozen=True, slots=True)
-class PeerPath:
-    """The outcome of the READ a loader makes when it meets a peer: which memory
-    types it joined, how many bytes, how long (connection setup included).
-
-    ``zero_copy_only``: UCX's software emulation was off in this agent, so the READ
-    succeeded over a zero-copy protocol (for VRAM: cuda_ipc, not TCP).
-    """
-
-    peer: str
-    local_mem_type: str
-    remote_mem_type: str
-    nbytes: int
-    seconds: float
-    zero_copy_only: bool
-    # where the peer runs, and the UCX transports both sides offer that can join
-    # them (one-host ones such as cma or cuda_ipc only when the host is the same)
-    peer_host: str = ""
-    same_host: bool = True
-    transports: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        path = "zero-copy" if self.zero_copy_only else "UCX's choice"
-        where = "on this host" if self.same_host else f"on host {self.peer_host}"
-        return (
-            f"{self.remote_mem_type}->{self.local_mem_type} READ of {self.nbytes} "
-            f"bytes from {self.peer} ({where}) in {self.seconds * 1e6:.0f} us "
-            f"({path}; UCX transports for this peer: "
-            f"{', '.join(self.transports) or 'unknown'})"
-        )
 
 
 class NixlAgentEndpoint:
@@ -438,14 +407,7 @@ class NixlAgentEndpoint:
         """READ the peer's first row into the scratch row; log how it went."""
         assert info.store is not None
         probe = NixlRegion.of(self._probe)
-        nbytes = min(probe.nbytes, info.store.nbytes)
-        plan = _merged_plan(
-            _u64([probe.address]),
-            _u64([info.store.address]),
-            _u64([nbytes]),
-            probe.device_id,
-            info.store.device_id,
-        )
+        plan, nbytes = check_plan(probe, info.store)
         started = time.monotonic()
         try:
             await self.read(
@@ -459,19 +421,7 @@ class NixlAgentEndpoint:
         except NixlTransferTimeout:
             raise
         except NixlTransferError as exc:
-            hint = ""
-            if self.zero_copy_only:
-                hint = (
-                    "; UCX's software emulation is off for this agent, so this "
-                    "usually means UCX has no zero-copy path between these memories "
-                    "(for VRAM: cuda_ipc missing from UCX_TLS, or its get zero-copy "
-                    "off, see UCX_CUDA_IPC_ENABLE_GET_ZCOPY); set "
-                    "UCX_PROTO_EMULATION_ENABLE=y to accept a slow fallback"
-                )
-            raise NixlTransferError(
-                f"the first READ from peer {info.agent_name} "
-                f"({info.store.mem_type}->{probe.mem_type}) failed: {exc}{hint}"
-            ) from exc
+            raise check_failed(info, probe, exc, self.zero_copy_only) from exc
         same_host = not info.host or info.host == socket.gethostname()
         local = self.ucx_report.transports if self.ucx_report is not None else ()
         path = PeerPath(

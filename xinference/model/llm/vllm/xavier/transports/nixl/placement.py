@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .endpoint import PeerPath
+from .peers import PeerPath
 from .plan import EngineBlockMap
 
 PLACEMENT_SLAB = "slab"

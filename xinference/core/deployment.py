@@ -1,0 +1,66 @@
+"""``Deployment``: the supervisor's private, mutable record of one launched model.
+
+Shared by the supervisor (which launches and terminates), the worker registry
+(a lost worker's replicas are gone) and the liveness monitor (which probes the
+replicas): none of them imports another for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .messages import DeploymentInfo, LaunchProgress, ReplicaInfo
+from .options import LaunchSpec
+
+
+@dataclass
+class Deployment:
+    """One model: its launch options, where each replica runs, and which serve."""
+
+    spec: LaunchSpec
+    started: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+    state: str = "launching"
+    detail: str = "validating"
+    workers: dict[int, Any] = field(default_factory=dict)  # rank -> worker ref
+    tracker: Any = None
+    addresses: dict[int, str] = field(default_factory=dict)  # rank -> sub-pool
+    replicas: dict[int, ReplicaInfo] = field(default_factory=dict)  # rank -> loaded
+    models: dict[int, Any] = field(default_factory=dict)  # rank -> model actor ref
+    model_path: str = ""
+    ucx: str = ""  # the UCX transports the replicas may use (placement's account)
+    task: asyncio.Task[DeploymentInfo] | None = None  # the launch, while it runs
+    # rank -> why it is gone for good (worker lost; engine or process died)
+    gone: dict[int, str] = field(default_factory=dict)
+    # rank -> why it gets no requests for now (missed its last health probe)
+    unresponsive: dict[int, str] = field(default_factory=dict)
+    monitor: asyncio.Task[None] | None = None  # replica liveness, while ready
+
+    def live_ranks(self, ranks: Iterable[int]) -> list[int]:
+        return sorted(rank for rank in ranks if rank not in self.gone)
+
+    def progress(self) -> LaunchProgress:
+        state, detail = self.state, self.detail
+        if state == "ready" and (self.gone or self.unresponsive):
+            # Still serving on the others: say which replicas are not and why.
+            state = "degraded"
+            detail = "; ".join(
+                [f"replica {r} gone: {why}" for r, why in sorted(self.gone.items())]
+                + [
+                    f"replica {r} unresponsive: {why}"
+                    for r, why in sorted(self.unresponsive.items())
+                ]
+            )
+        return LaunchProgress(
+            model_uid=self.spec.model_uid,
+            state=state,
+            replicas_ready=len(self.live_ranks(self.replicas))
+            - len([r for r in self.unresponsive if r not in self.gone]),
+            replicas_total=self.spec.replica,
+            detail=detail,
+            elapsed_s=time.monotonic() - self.started,
+        )
