@@ -40,11 +40,17 @@ from ..engine.device import (
 from ..engine.layout import detect_layout
 from ..engine.scatter_graphs import graphs_requested
 from ..hashing import BlockHash
-from ..stats import ActorCounters, EngineInfo, LatencyRecorder, XavierStats
+from ..stats import (
+    ActorCounters,
+    EngineInfo,
+    LatencyRecorder,
+    TransportStats,
+    XavierStats,
+)
 from ..store.tiered import TieredKVSnapshotStore
 from ..transports import create_device_tier_transport
 from ..transports.base import DeviceTierTransport, HolderOp, TransportContext
-from ..transports.cpu_tier import CpuRowsReply, gather_cpu_rows
+from ..transports.cpu_tier import CpuRowsReply, count_cpu_rows, gather_cpu_rows
 from ..wire import LeaseGrant, LoadRequest, LoadResult, ReplicaIdentity, StageItem
 from .leases import LeaseBook
 from .loads import HolderLink, LoadRunner, release_lease
@@ -138,6 +144,8 @@ class XavierTransferActor(xo.StatelessActor):
         # by close()
         self._operations: set[asyncio.Task[Any]] = set()
         self._counters = ActorCounters()
+        # CPU-tier rows read from peers (received_*) and served to them (sent_*)
+        self._cpu_tier_counters = TransportStats()
         self._tracker_updates = TrackerUpdates(
             config.rank, self._counters, self._deadline
         )
@@ -253,6 +261,7 @@ class XavierTransferActor(xo.StatelessActor):
                 rpc_timeout_s=config.rpc_timeout_s,
                 counters=self._counters,
                 latency=self._load_latency,
+                cpu_tier_counters=self._cpu_tier_counters,
             ),
             transport.holder_ops(),
             ring,
@@ -373,6 +382,7 @@ class XavierTransferActor(xo.StatelessActor):
         mapped = self._require_mapped()
         reply = gather_cpu_rows(mapped.store, lease_id, keys)
         self._counters.cpu_rows_served += len(keys) * mapped.cache.num_layers
+        count_cpu_rows(self._cpu_tier_counters, reply, received=False)
         return reply
 
     # ---- loader side ------------------------------------------------------------
@@ -444,6 +454,9 @@ class XavierTransferActor(xo.StatelessActor):
             load_latency=self._load_latency.summary(),
             store=None if mapped is None else mapped.store.stats(),
             transport=None if mapped is None else mapped.transport.stats(),
+            cpu_tier_transport=(
+                None if mapped is None else replace(self._cpu_tier_counters)
+            ),
             engine=(
                 None
                 if mapped is None
