@@ -470,7 +470,10 @@ class SupervisorActor(xo.StatelessActor):
         plans = await _all(
             _deadline(
                 record.workers[ranks[0]].plan(
-                    len(ranks), spec.xavier.enabled, spec.gpu_idx
+                    len(ranks),
+                    spec.xavier.enabled,
+                    spec.gpu_idx,
+                    spec.xavier.gpu_cache_bytes if spec.xavier.enabled else None,
                 ),
                 RPC_TIMEOUT_S,
             )

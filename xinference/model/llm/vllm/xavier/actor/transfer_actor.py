@@ -153,6 +153,8 @@ class XavierTransferActor(xo.StatelessActor):
         self._load_latency = LatencyRecorder()
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
+        # why the last attempt to map the engine's caches failed (None: none did)
+        self._mapping_error: str | None = None
         # load id -> result of a load that ended before close, not yet collected
         self._results_after_close: dict[str, LoadResult] = {}
 
@@ -199,6 +201,28 @@ class XavierTransferActor(xo.StatelessActor):
         ``stage_ring``. Returns this replica's identity. A failed attempt leaves
         nothing behind, so the caller may retry; a second successful one is refused.
         """
+        try:
+            identity = await self._map_engine_caches(
+                handles, num_blocks, model, block_size, layout_hint, staging_ring
+            )
+        except Exception as exc:
+            if self._mapped is None:
+                # kept for stats(): the launcher waiting for the mapping reports
+                # this cause at once instead of timing out without one
+                self._mapping_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self._mapping_error = None
+        return identity
+
+    async def _map_engine_caches(
+        self,
+        handles: SharedTensorHandles,
+        num_blocks: int,
+        model: str,
+        block_size: int,
+        layout_hint: str | None,
+        staging_ring: SharedTensorHandles | None,
+    ) -> ReplicaIdentity:
         self._check_open()
         if self._mapped is not None:
             raise RuntimeError(
@@ -469,6 +493,7 @@ class XavierTransferActor(xo.StatelessActor):
             ),
             in_flight_loads=0 if mapped is None else mapped.loads.in_flight,
             closed=self._closing,
+            mapping_error=self._mapping_error,
         )
 
     async def close(self) -> None:
