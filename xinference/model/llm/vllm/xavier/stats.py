@@ -118,6 +118,7 @@ class EngineInfo:
     layers: int
     device: str
     scatter_path: str  # see engine/blocks.py: stacked, span or per layer
+    block_size: int = 0  # tokens per block (0: not given)
 
 
 @dataclass(frozen=True, slots=True)

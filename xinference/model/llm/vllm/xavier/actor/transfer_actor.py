@@ -489,6 +489,7 @@ class XavierTransferActor(xo.StatelessActor):
                     layers=mapped.cache.num_layers,
                     device=str(mapped.cache.device),
                     scatter_path=mapped.cache.scatter_path,
+                    block_size=mapped.cache.geometry.block_size,
                 )
             ),
             in_flight_loads=0 if mapped is None else mapped.loads.in_flight,
