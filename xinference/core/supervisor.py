@@ -31,6 +31,7 @@ import xoscar as xo
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings, transfer_actor_uid
 from ..model.llm.vllm.xavier.tracker import BlockTrackerActor, tracker_uid
 from .heartbeat import HeartbeatSettings, WorkerLiveness, watch_workers
+from .launch_phases import launch_fraction
 from .liveness import PROBE_TIMEOUT_S, LivenessMonitor
 from .messages import (
     DeploymentInfo,
@@ -82,6 +83,7 @@ class _Deployment:
     created: float = field(default_factory=time.time)
     state: str = "launching"
     detail: str = "validating"
+    phase: str = "validating"  # of launch_phases.LAUNCH_PHASES, while launching
     workers: dict[int, Any] = field(default_factory=dict)  # rank -> worker ref
     tracker: Any = None
     addresses: dict[int, str] = field(default_factory=dict)  # rank -> sub-pool
@@ -119,6 +121,11 @@ class _Deployment:
             replicas_total=self.spec.replica,
             detail=detail,
             elapsed_s=time.monotonic() - self.started,
+            fraction=(
+                1.0
+                if self.state == "ready"
+                else launch_fraction(self.phase, len(self.replicas), self.spec.replica)
+            ),
         )
 
 
@@ -361,6 +368,7 @@ class SupervisorActor(xo.StatelessActor):
         uid = spec.model_uid
         if spec.model_path is None:
             assert spec.model_name is not None
+            record.phase = "resolving"
             record.detail = f"resolving model {spec.model_name!r}"
             record.model_path = str(
                 await asyncio.to_thread(resolve_model, spec.model_name)
@@ -369,11 +377,12 @@ class SupervisorActor(xo.StatelessActor):
             record.model_path = spec.model_path
         record.workers = dict(enumerate(self._assign_workers(spec)))
         if spec.xavier.enabled:
-            record.detail = "creating the block tracker"
+            record.phase, record.detail = "tracker", "creating the block tracker"
             record.tracker = await xo.create_actor(
                 BlockTrackerActor, address=self.address, uid=tracker_uid(uid)
             )
         placements = await self._plan(record)
+        record.phase = "pools"
         record.detail = f"starting {spec.replica} replica sub-pool(s)"
 
         async def start_pool(rank: int) -> None:
@@ -402,7 +411,7 @@ class SupervisorActor(xo.StatelessActor):
             record.addresses[rank] = call.result()
 
         await _all(start_pool(rank) for rank in range(spec.replica))
-        record.detail = f"loading {spec.replica} engine(s)"
+        record.phase, record.detail = "engines", f"loading {spec.replica} engine(s)"
 
         async def load(rank: int) -> None:
             address = record.addresses[rank]
@@ -446,11 +455,13 @@ class SupervisorActor(xo.StatelessActor):
         else:
             await _all(load(rank) for rank in range(spec.replica))
         if spec.xavier.enabled:
+            record.phase = "transfer actors"
             record.detail = "creating the Xavier transfer actors"
             await _all(
                 _deadline(record.models[rank].start_transfer_actor(), RPC_TIMEOUT_S)
                 for rank in range(spec.replica)
             )
+            record.phase = "mapping"
             record.detail = "waiting for the engines to map their KV caches"
             await _all(
                 _deadline(
