@@ -274,8 +274,9 @@ def detect_gpus() -> list[str]:
 
 def gpu_total_memory(gpus: Sequence[str]) -> dict[str, int]:
     """Each of this process's CUDA devices (as ``detect_gpus`` names them) -> its
-    total memory in bytes; empty without CUDA. Reads device properties only: no
-    CUDA context is created here."""
+    total memory in bytes; empty without CUDA. torch initialises CUDA in this
+    worker process to read them; its sub-pools are new processes, not forks, so
+    they are unaffected. (Not run yet on a GPU: the CPU machine has none.)"""
     if not gpus:
         return {}
     import torch
