@@ -38,6 +38,11 @@ def http(server):
             "malformed size '256 MiBs'",
         ),
         (
+            # more than the host (or GPU) has: refused before any engine loads
+            dict(replica=2, enable_xavier=True, xavier_gpu_cache_bytes="1024TiB"),
+            "xavier_gpu_cache_bytes 1024.0 TiB per replica does not fit",
+        ),
+        (
             dict(replica=2, enable_xavier=True, tensor_parallel_size=2),
             "must be 1, got 2 and 1",
         ),

@@ -58,6 +58,7 @@ EXIT_TIMEOUT_S = 60.0
 MODEL = "tiny-qwen2"
 # Long enough for several 32-token blocks, so the second replica has a prefix to load.
 SHARED_PREFIX = "You are a careful assistant. Answer in one short sentence. " * 12
+NONZERO = re.compile(r"^(0\.\d*[1-9]\d*|1(\.0*)?)$")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,7 @@ class Session:
     page: Any
     requested: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    console: list[str] = field(default_factory=list)  # "type: text"
 
 
 @pytest.fixture
@@ -92,6 +94,7 @@ def session(server: LocalServer, tmp_path: Path) -> Iterator[Session]:
             opened = Session(page)
             page.on("request", lambda r: opened.requested.append(r.url))
             page.on("pageerror", lambda e: opened.errors.append(str(e)))
+            page.on("console", lambda m: opened.console.append(f"{m.type}: {m.text}"))
             page.goto(server.endpoint + "/")
             yield opened
         finally:
@@ -171,9 +174,109 @@ def test_page_is_offline_accessible_and_shows_api_errors(
     )
     expect(replica_error).to_have_text("")
     assert session.errors == []
+    # the browser's own requests (the page's icon) found what they asked for
+    assert not [line for line in session.console if "404" in line], session.console
     assert len(session.requested) >= 4  # the page, its CSS and JS, the API
     for url in session.requested:
         assert url.startswith(server.endpoint + "/"), url
+
+
+class StubApi:
+    """Answers the page's API calls from scripted state (``page.route``), so that
+    the page's handling of each answer is checked without engines."""
+
+    def __init__(self) -> None:
+        self.models: list[dict[str, Any]] = []
+        self.progress = 0.0
+        # (status, body) of the next POST /v1/chat/completions and /v1/models
+        self.chat: tuple[int, dict[str, Any]] = (200, {})
+        self.launch: tuple[int, dict[str, Any]] = (200, {})
+
+    def handle(self, route: Any) -> None:
+        request = route.request
+        path = request.url.split("://", 1)[1].split("/", 1)[1].split("?")[0]
+        status, body = 200, {}
+        if path == "v1/models" and request.method == "GET":
+            body = {"object": "list", "data": self.models}
+        elif path == "v1/models" and request.method == "POST":
+            status, body = self.launch
+        elif path.endswith("/progress"):
+            body = {"progress": self.progress, "detail": "loading", "elapsed_s": 3.0}
+        elif path.endswith("/stats"):
+            body = []
+        elif path == "v1/chat/completions":
+            status, body = self.chat
+        route.fulfill(status=status, json=body)
+
+
+def model(uid: str, status: str) -> dict[str, Any]:
+    return {
+        "id": uid,
+        "status": status,
+        "replica": 2,
+        "replicas_ready": 0,
+        "xavier": "Xavier: on",
+        "router": "round-robin",
+    }
+
+
+def test_page_states_follow_the_server(session: Session, screenshots: Path) -> None:
+    """Launch progress as the server reports it, server errors read as errors (4xx
+    as refusals), and statuses about a model go when the model goes."""
+    page = session.page
+    api = StubApi()
+    page.route(re.compile(r".*/v1/.*"), api.handle)
+
+    # the bar shows the launch's progress, not only the replicas that serve
+    api.models, api.progress = [model("m", "launching")], 0.5
+    bar = page.get_by_role("progressbar", name="Launch of m")
+    expect(bar).to_have_attribute("value", "0.5", timeout=10_000)
+
+    api.models = [model("m", "ready")]
+    expect(page.locator("#chat-model")).to_have_value("m", timeout=10_000)
+    api.chat = (500, {"detail": "engine core died"})
+    page.get_by_role("button", name="Send").click()
+    chat_error = page.locator("#chat-error")
+    expect(chat_error).to_have_text("Server error (HTTP 500): engine core died")
+    api.chat = (400, {"detail": "the prompt is longer than 2048 tokens"})
+    page.get_by_role("button", name="Send").click()
+    expect(chat_error).to_have_text("Refused: the prompt is longer than 2048 tokens")
+
+    page.get_by_label("Model (registry name or local path)").fill(MODEL)
+    api.launch = (500, {"detail": "worker lost"})
+    page.get_by_role("button", name="Launch").click()
+    status = page.locator("#launch-status")
+    expect(status).to_have_text("Launch failed: Server error (HTTP 500): worker lost")
+    api.launch = (200, {"model_uid": "m", "xavier": "Xavier: on"})
+    page.get_by_role("button", name="Launch").click()
+    expect(status).to_have_text("Launched m: Xavier: on")
+    page.screenshot(path=str(screenshots / "0-states.png"), full_page=True)
+
+    # terminated elsewhere: the next refresh clears what was about it
+    api.models = []
+    expect(page.locator("#models")).to_contain_text("No model is launched.")
+    expect(status).to_have_text("")
+    expect(chat_error).to_have_text("")
+    assert session.errors == []
+
+
+def test_no_select_cuts_its_options_off(session: Session) -> None:
+    page = session.page
+    for width in (1400, 390):
+        page.set_viewport_size({"width": width, "height": 1000})
+        selects = page.locator("select")
+        for i in range(selects.count()):
+            # the widest option's text, in the select's font, plus its padding and
+            # arrow (20 px), fits inside the box
+            room = selects.nth(i).evaluate("""e => {
+                  const ctx = document.createElement("canvas").getContext("2d");
+                  ctx.font = getComputedStyle(e).font;
+                  const widest = Math.max(0, ...[...e.options].map(
+                    (o) => ctx.measureText(o.text).width));
+                  return e.clientWidth - widest - 20;
+                }""")
+            name = selects.nth(i).get_attribute("id")
+            assert room >= 0, f"{name} at {width} px: {-room:.0f} px cut off"
 
 
 @pytest.mark.vllm
@@ -189,9 +292,10 @@ def test_launch_chat_see_remote_hits_terminate(
     fill_launch_form(page, replicas="2")
     page.get_by_role("button", name="Launch").click()
     # progress while the engines load
-    expect(
-        page.get_by_role("progressbar", name=f"Replicas of {MODEL} ready")
-    ).to_be_visible()
+    bar = page.get_by_role("progressbar", name=f"Launch of {MODEL}")
+    expect(bar).to_be_visible()
+    # it moves while the engines load (sub-pools started: past 0)
+    expect(bar).to_have_attribute("value", NONZERO, timeout=LAUNCH_TIMEOUT_MS)
     page.screenshot(path=str(screenshots / "1-launching.png"), full_page=True)
     expect(page.locator("#launch-status")).to_contain_text(
         f"Launched {MODEL}", timeout=LAUNCH_TIMEOUT_MS
@@ -237,6 +341,8 @@ def test_launch_chat_see_remote_hits_terminate(
     expect(page.locator("#models")).to_contain_text(
         "No model is launched.", timeout=180_000
     )
+    # the finished launch's status went with its model
+    expect(page.locator("#launch-status")).to_have_text("")
     page.screenshot(path=str(screenshots / "5-terminated.png"), full_page=True)
     assert wait_for_no_descendants(server, baseline, EXIT_TIMEOUT_S) == set()
 

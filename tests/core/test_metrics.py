@@ -34,6 +34,12 @@ XAVIER_STATS = XavierStats(
         received_useful_bytes=6,
         registration_changes=2,
     ),
+    cpu_tier_transport=TransportStats(
+        sent_wire_bytes=200,
+        sent_useful_bytes=200,
+        received_wire_bytes=3000,
+        received_useful_bytes=3000,
+    ),
     actor=ActorCounters(
         device_tier_blocks_loaded=7,
         cpu_tier_blocks_loaded=2,
@@ -86,8 +92,11 @@ def test_per_replica_xavier_series():
     assert get("xavier_remote_hits_total", ("tier", "cpu")) == 2
     assert get("xavier_external_tokens_loaded_total") == (7 + 2) * 32
     assert get("xavier_served_snapshots_total", ("tier", "device")) == 3
-    assert get("xavier_wire_bytes_total") == 1000
-    assert get("xavier_useful_bytes_total") == 600
+    # bytes add both tiers: the device-tier transport's and the CPU tier's replies
+    assert get("xavier_wire_bytes_total") == 1000 + 200
+    assert get("xavier_useful_bytes_total") == 600 + 200
+    assert get("xavier_received_wire_bytes_total") == 10 + 3000
+    assert get("xavier_received_useful_bytes_total") == 6 + 3000
     assert get("xavier_registration_changes_total") == 2
     assert get("xavier_demotions_total") == 2
     assert get("xavier_skips_total") == 1

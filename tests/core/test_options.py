@@ -3,6 +3,7 @@
 import pytest
 
 from xinference.core.options import LaunchOptionError, LaunchSpec, default_model_uid
+from xinference.model.llm.vllm.xavier.config import format_size
 
 
 @pytest.fixture
@@ -29,7 +30,19 @@ def test_valid_xavier_launch_yields_a_frozen_spec(model_dir):
 
 
 @pytest.mark.parametrize(
-    "size, expected", [(0, 0), ("0", 0), (1024, 1024), ("1GiB", 1024**3), (None, None)]
+    "size, expected",
+    [
+        (0, 0),
+        ("0", 0),
+        (1024, 1024),
+        ("1GiB", 1024**3),
+        ("2GB", 2 * 1000**3),
+        ("256MiB", 256 * 1024**2),
+        ("1TiB", 1024**4),
+        ("1TB", 1000**4),
+        ("3 tib", 3 * 1024**4),
+        (None, None),
+    ],
 )
 def test_gpu_cache_sizes(model_dir, size, expected):
     spec = launch(model_dir, replica=2, enable_xavier=True, xavier_gpu_cache_bytes=size)
@@ -239,3 +252,18 @@ def test_remote_loads_reach_the_connector_settings(model_dir):
     settings = XavierReplicaSettings(spec.xavier, "m", 1, "t", "tu", "nixl://x", "xu")
     back = XavierReplicaSettings.from_dict(settings.to_dict())
     assert back.config == spec.xavier and back.config.remote_loads is False
+
+
+@pytest.mark.parametrize(
+    "nbytes, text",
+    [
+        (0, "0 bytes"),
+        (1023, "1023 bytes"),
+        (1536, "1.5 KiB"),
+        (256 * 1024**2, "256.0 MiB"),
+        (1024**4, "1.0 TiB"),
+        (2048 * 1024**4, "2048.0 TiB"),
+    ],
+)
+def test_sizes_are_written_for_people(nbytes, text):
+    assert format_size(nbytes) == text

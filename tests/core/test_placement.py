@@ -5,6 +5,7 @@ import pytest
 from xinference.core.placement import (
     DEFAULT_UCX_TLS,
     describe_ucx,
+    device_budget_refusal,
     plan_replicas,
     replica_environment,
 )
@@ -77,3 +78,58 @@ def test_replicas_sharing_a_gpu_split_its_memory_and_load_one_by_one():
     alone = plan_replicas(2, gpus=("0", "1"), xavier=True, user_env={})
     assert not any(p.shares_gpu for p in alone)
     assert [p.gpu_memory_utilization for p in alone] == [None, None]
+
+
+GiB = 1024**3
+
+
+def test_a_device_budget_beyond_the_memory_that_holds_it_is_refused():
+    """Two replicas on one GPU of 80 GiB: 40 GiB each fits, 41 GiB each does not;
+    the refusal names the budget, the need and what the GPU has."""
+    shared = plan_replicas(2, gpus=["0"], xavier=True, user_env={})
+    memory = {"0": 80 * GiB}
+    fits = device_budget_refusal(
+        shared, 40 * GiB, gpu_memory=memory, host_available_bytes=0, worker="w:1"
+    )
+    assert fits is None
+    refusal = device_budget_refusal(
+        shared, 41 * GiB, gpu_memory=memory, host_available_bytes=0, worker="w:1"
+    )
+    assert refusal == (
+        "xavier_gpu_cache_bytes 41.0 GiB per replica does not fit: 2 replica(s) on "
+        "GPU 0 of worker w:1 need 82.0 GiB of its memory, and it has 80.0 GiB in all"
+    )
+    # spread over two GPUs, each holds one replica's budget
+    spread = plan_replicas(2, gpus=["0", "1"], xavier=True, user_env={})
+    two = {"0": 80 * GiB, "1": 80 * GiB}
+    assert (
+        device_budget_refusal(
+            spread, 41 * GiB, gpu_memory=two, host_available_bytes=0, worker="w:1"
+        )
+        is None
+    )
+
+
+def test_without_a_gpu_the_device_tier_must_fit_in_available_host_memory():
+    cpu = plan_replicas(2, gpus=[], xavier=True, user_env={})
+    refusal = device_budget_refusal(
+        cpu, 1024 * GiB, gpu_memory={}, host_available_bytes=20 * GiB, worker="w:1"
+    )
+    assert refusal is not None
+    assert "xavier_gpu_cache_bytes 1.0 TiB per replica does not fit" in refusal
+    assert "host memory" in refusal and "need 2.0 TiB" in refusal
+    assert "20.0 GiB is available" in refusal
+    assert (
+        device_budget_refusal(
+            cpu, 10 * GiB, gpu_memory={}, host_available_bytes=20 * GiB, worker="w"
+        )
+        is None
+    )
+    # no budget (CPU tier only) or a zero one: nothing to hold
+    for budget in (0, None):
+        assert (
+            device_budget_refusal(
+                cpu, budget or 0, gpu_memory={}, host_available_bytes=0, worker="w"
+            )
+            is None
+        )

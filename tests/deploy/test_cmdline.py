@@ -43,6 +43,17 @@ def run_cli(server, *args):
             "malformed size '12 parsecs'",
         ),
         (
+            # no host or GPU holds 1 PiB: refused before any engine loads
+            [
+                "--replica",
+                "2",
+                "--enable-xavier",
+                "--xavier-gpu-cache-bytes",
+                "1024TiB",
+            ],
+            "xavier_gpu_cache_bytes 1024.0 TiB per replica does not fit",
+        ),
+        (
             ["--replica", "2", "--enable-xavier", "--tensor-parallel-size", "2"],
             "tensor_parallel_size and pipeline_parallel_size must be 1, got 2 and 1",
         ),

@@ -183,10 +183,11 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
     async def progress(model_uid: str) -> dict[str, Any]:
         models = await hub()
         state = await models.supervisor.progress(model_uid)
-        # Upstream's key: a fraction, 1.0 only once every replica serves.
+        # Upstream's key: a fraction, 1.0 only once every replica serves; while
+        # launching, the share of its steps done (engines loaded included).
         done = 1.0 if state.state == "ready" else 0.0
         if state.state == "launching":
-            done = 0.99 * state.replicas_ready / max(state.replicas_total, 1)
+            done = min(state.fraction, 0.99)
         return {"progress": round(done, 3)} | dataclasses.asdict(state)
 
     @app.post("/v1/models/{model_uid}/cancel")

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .launch_phases import launch_fraction
 from .messages import DeploymentInfo, LaunchProgress, ReplicaInfo
 from .options import LaunchSpec
 
@@ -26,6 +27,7 @@ class Deployment:
     created: float = field(default_factory=time.time)
     state: str = "launching"
     detail: str = "validating"
+    phase: str = "validating"  # of launch_phases.LAUNCH_PHASES, while launching
     workers: dict[int, Any] = field(default_factory=dict)  # rank -> worker ref
     tracker: Any = None
     addresses: dict[int, str] = field(default_factory=dict)  # rank -> sub-pool
@@ -63,4 +65,9 @@ class Deployment:
             replicas_total=self.spec.replica,
             detail=detail,
             elapsed_s=time.monotonic() - self.started,
+            fraction=(
+                1.0
+                if self.state == "ready"
+                else launch_fraction(self.phase, len(self.replicas), self.spec.replica)
+            ),
         )

@@ -152,6 +152,8 @@ class LaunchProgress:
     detail: str
     elapsed_s: float
     error: str | None = None
+    # share of the launch's steps done, 0..1 (``launch_phases``); 1 once ready
+    fraction: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,25 +75,33 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
         "store.device_hits", "xavier_served_snapshots", _SERVED, tier="device"
     ),
     XavierMetric("store.cpu_hits", "xavier_served_snapshots", _SERVED, tier="cpu"),
-    XavierMetric(
-        "transport.sent_wire_bytes",
-        "xavier_wire_bytes",
-        "Bytes this replica copied to peers over the device-tier transport",
-    ),
-    XavierMetric(
-        "transport.sent_useful_bytes",
-        "xavier_useful_bytes",
-        "KV payload bytes this replica copied to peers over the device-tier transport",
-    ),
-    XavierMetric(
-        "transport.received_wire_bytes",
-        "xavier_received_wire_bytes",
-        "Bytes peers copied into this replica over the device-tier transport",
-    ),
-    XavierMetric(
-        "transport.received_useful_bytes",
-        "xavier_received_useful_bytes",
-        "KV payload bytes peers copied into this replica (device-tier transport)",
+    # Bytes sum both tiers' transfers: the device-tier transport's and the CPU
+    # tier's replies (``XavierStats.cpu_tier_transport``); /stats has each apart.
+    *(
+        XavierMetric(f"{section}.{stat}", name, help_text)
+        for stat, name, help_text in (
+            (
+                "sent_wire_bytes",
+                "xavier_wire_bytes",
+                "Bytes this replica sent to peers' loads (both tiers)",
+            ),
+            (
+                "sent_useful_bytes",
+                "xavier_useful_bytes",
+                "KV payload bytes this replica sent to peers' loads (both tiers)",
+            ),
+            (
+                "received_wire_bytes",
+                "xavier_received_wire_bytes",
+                "Bytes this replica's loads received from peers (both tiers)",
+            ),
+            (
+                "received_useful_bytes",
+                "xavier_received_useful_bytes",
+                "KV payload bytes this replica's loads received (both tiers)",
+            ),
+        )
+        for section in ("transport", "cpu_tier_transport")
     ),
     XavierMetric(
         "transport.registration_changes",

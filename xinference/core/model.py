@@ -165,7 +165,15 @@ class ReplicaModelActor(xo.StatelessActor):
         if self._transfer is None:
             raise RuntimeError(f"replica {self._spec.rank} has no transfer actor")
         deadline = time.monotonic() + timeout_s
-        while not (await self._transfer.stats()).mapped:
+        while not (stats := await self._transfer.stats()).mapped:
+            if stats.mapping_error is not None:
+                # the transfer actor itself refused the engine's caches (too
+                # large a store, a layout it cannot read): retrying cannot help
+                raise RuntimeError(
+                    f"replica {self._spec.rank}: the Xavier connector could not "
+                    "map the engine KV cache into its transfer actor: "
+                    f"{stats.mapping_error}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"replica {self._spec.rank}: the Xavier connector did not map "

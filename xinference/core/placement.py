@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..model.llm.vllm.xavier.config import format_size
+
 # The GPU-first path registers device memory with NIXL. UCX's memory-type cache can
 # misclassify CUDA IPC-mapped pointers, so it is switched off; the transport list keeps
 # TCP for control and host memory and adds the CUDA copy and IPC transports. Neither
@@ -116,3 +118,50 @@ def plan_replicas(
             )
         )
     return placements
+
+
+def device_budget_refusal(
+    placements: Sequence[ReplicaPlacement],
+    budget_bytes: int,
+    *,
+    gpu_memory: Mapping[str, int],
+    host_available_bytes: int,
+    worker: str,
+) -> str | None:
+    """Why a device tier of ``budget_bytes`` per replica cannot be held by the memory
+    these placements put it in; None when it can.
+
+    A replica on a GPU keeps its device tier in that GPU's memory, so the replicas
+    sharing a GPU need the sum of their budgets there: compared with the GPU's total
+    memory (``gpu_memory``: CUDA_VISIBLE_DEVICES entry -> bytes), as nothing else of
+    the launch runs there yet. A replica without a GPU keeps its "device" tier where
+    its engine's KV cache lives, in host memory: the budgets of all such replicas on
+    this host are compared with its available memory. Checked before any engine
+    loads; a budget that does not fit would fail only when the connector maps the
+    engine's cache, minutes later.
+    """
+    if budget_bytes <= 0:
+        return None
+    per_replica = f"xavier_gpu_cache_bytes {format_size(budget_bytes)} per replica"
+    sharing: dict[str | None, int] = {}
+    for placement in placements:
+        sharing[placement.gpu] = sharing.get(placement.gpu, 0) + 1
+    for gpu, count in sharing.items():
+        needed = count * budget_bytes
+        if gpu is None:
+            if needed > host_available_bytes:
+                return (
+                    f"{per_replica} does not fit: without a GPU the device tier "
+                    f"lives in host memory, and {count} replica(s) on worker "
+                    f"{worker} need {format_size(needed)} of it while "
+                    f"{format_size(host_available_bytes)} is available"
+                )
+            continue
+        total = gpu_memory.get(gpu)
+        if total is not None and needed > total:
+            return (
+                f"{per_replica} does not fit: {count} replica(s) on GPU {gpu} of "
+                f"worker {worker} need {format_size(needed)} of its memory, and it "
+                f"has {format_size(total)} in all"
+            )
+    return None

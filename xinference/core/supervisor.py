@@ -197,6 +197,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
         uid = spec.model_uid
         if spec.model_path is None:
             assert spec.model_name is not None
+            record.phase = "resolving"
             record.detail = f"resolving model {spec.model_name!r}"
             record.model_path = str(
                 await asyncio.to_thread(resolve_model, spec.model_name)
@@ -205,11 +206,12 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             record.model_path = spec.model_path
         record.workers = dict(enumerate(self._assign_workers(spec)))
         if spec.xavier.enabled:
-            record.detail = "creating the block tracker"
+            record.phase, record.detail = "tracker", "creating the block tracker"
             record.tracker = await xo.create_actor(
                 BlockTrackerActor, address=self.address, uid=tracker_uid(uid)
             )
         placements = await self._plan(record)
+        record.phase = "pools"
         record.detail = f"starting {spec.replica} replica sub-pool(s)"
 
         async def start_pool(rank: int) -> None:
@@ -238,7 +240,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             record.addresses[rank] = call.result()
 
         await _all(start_pool(rank) for rank in range(spec.replica))
-        record.detail = f"loading {spec.replica} engine(s)"
+        record.phase, record.detail = "engines", f"loading {spec.replica} engine(s)"
 
         async def load(rank: int) -> None:
             address = record.addresses[rank]
@@ -282,11 +284,13 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
         else:
             await _all(load(rank) for rank in range(spec.replica))
         if spec.xavier.enabled:
+            record.phase = "transfer actors"
             record.detail = "creating the Xavier transfer actors"
             await _all(
                 _deadline(record.models[rank].start_transfer_actor(), RPC_TIMEOUT_S)
                 for rank in range(spec.replica)
             )
+            record.phase = "mapping"
             record.detail = "waiting for the engines to map their KV caches"
             await _all(
                 _deadline(
@@ -306,7 +310,10 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
         plans = await _all(
             _deadline(
                 record.workers[ranks[0]].plan(
-                    len(ranks), spec.xavier.enabled, spec.gpu_idx
+                    len(ranks),
+                    spec.xavier.enabled,
+                    spec.gpu_idx,
+                    spec.xavier.gpu_cache_bytes if spec.xavier.enabled else None,
                 ),
                 RPC_TIMEOUT_S,
             )

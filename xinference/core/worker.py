@@ -24,7 +24,7 @@ from .logs import log_level_env, sub_pool_logging
 from .messages import ReplicaInfo, ReplicaSpec
 from .model import ReplicaModelActor, model_actor_uid
 from .options import LaunchOptionError
-from .placement import ReplicaPlacement, plan_replicas
+from .placement import ReplicaPlacement, device_budget_refusal, plan_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +144,12 @@ class WorkerActor(xo.StatelessActor):
         num_replicas: int,
         xavier: bool,
         gpu_idx: Sequence[int] | None = None,
+        device_budget_bytes: int | None = None,
     ) -> list[ReplicaPlacement]:
         """Placements of a model's replicas on this host, environment included;
-        ``gpu_idx`` picks which of this worker's GPUs they spread over."""
+        ``gpu_idx`` picks which of this worker's GPUs they spread over. A Xavier
+        device tier of ``device_budget_bytes`` per replica that this host's memory
+        cannot hold is refused here, before anything starts."""
         gpus = self._gpus or ()
         if gpu_idx is not None:
             missing = [index for index in gpu_idx if index >= len(gpus)]
@@ -156,9 +159,20 @@ class WorkerActor(xo.StatelessActor):
                     f"{len(gpus)} GPU(s)"
                 )
             gpus = tuple(gpus[index] for index in gpu_idx)
-        return plan_replicas(
+        placements = plan_replicas(
             num_replicas, gpus=gpus, xavier=xavier, user_env=os.environ
         )
+        if device_budget_bytes:
+            refusal = device_budget_refusal(
+                placements,
+                device_budget_bytes,
+                gpu_memory=await asyncio.to_thread(gpu_total_memory, self._gpus or ()),
+                host_available_bytes=psutil.virtual_memory().available,
+                worker=self.address,
+            )
+            if refusal is not None:
+                raise LaunchOptionError(refusal)
+        return placements
 
     async def start_replica_pool(self, placement: ReplicaPlacement) -> str:
         """Spawn one sub-pool for one replica; its external address."""
@@ -262,6 +276,21 @@ def detect_gpus() -> list[str]:
     if visible is not None:
         return [entry.strip() for entry in visible.split(",") if entry.strip()][:count]
     return [str(index) for index in range(count)]
+
+
+def gpu_total_memory(gpus: Sequence[str]) -> dict[str, int]:
+    """Each of this process's CUDA devices (as ``detect_gpus`` names them) -> its
+    total memory in bytes; empty without CUDA. torch initialises CUDA in this
+    worker process to read them; its sub-pools are new processes, not forks, so
+    they are unaffected. (Not run yet on a GPU: the CPU machine has none.)"""
+    if not gpus:
+        return {}
+    import torch
+
+    return {
+        gpu: torch.cuda.get_device_properties(index).total_memory
+        for index, gpu in enumerate(gpus)
+    }
 
 
 def _host_of(address: str) -> str:

@@ -22,6 +22,7 @@ talk to ``-e/--endpoint``, given before or after the subcommand (default
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -34,7 +35,6 @@ import httpx
 from ..client.restful_client import Client, XinferenceError
 from ..core.engine_args import parse_cli_value
 from ..core.logs import configure as configure_logging
-from ..core.messages import format_counters
 from ..core.options import default_model_uid
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
 from .cli_auth import (
@@ -45,6 +45,7 @@ from .cli_auth import (
     login,
     server_auth,
 )
+from .summary import summarize_xavier
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
 PROGRESS_POLL_S = 1.0
@@ -577,12 +578,22 @@ def list_models(ctx: click.Context, endpoint: str | None, api_key: str | None) -
 @endpoint_option
 @api_key_option
 @click.option("--model-uid", "-u", required=True)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print every final Xavier counter of each replica as JSON.",
+)
 @click.pass_context
 def terminate(
-    ctx: click.Context, endpoint: str | None, api_key: str | None, model_uid: str
+    ctx: click.Context,
+    endpoint: str | None,
+    api_key: str | None,
+    model_uid: str,
+    as_json: bool,
 ) -> None:
-    """Terminate a model (a launch in progress too); prints each replica's final
-    Xavier counters."""
+    """Terminate a model (a launch in progress too); prints a summary of each
+    replica's final Xavier counters (all of them with --json)."""
     endpoint, key = _endpoint(ctx, endpoint, api_key)
     try:
         with Client(endpoint, api_key=key) as client:
@@ -591,9 +602,12 @@ def terminate(
         raise click.ClickException(explain(error, endpoint)) from None
     except httpx.TransportError as error:
         raise click.ClickException(f"cannot reach {endpoint}: {error}") from None
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
+        return
     click.echo(f"Terminated {model_uid}")
     for rank, stats in sorted(result["xavier_counters"].items()):
-        click.echo(f"  replica {rank} Xavier counters: {format_counters(stats)}")
+        click.echo(f"  replica {rank} Xavier: {summarize_xavier(stats)}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,25 @@ function bytes(n) {
   return `${i ? n.toFixed(1) : n} ${units[i]}`;
 }
 
+// What a failed API call says: a 4xx is the request refused (the user can fix it),
+// anything else a fault of the server's, named as such.
+function failure(response) {
+  const detail = response.data && response.data.detail;
+  const text = typeof detail === "string" ? detail : JSON.stringify(detail ?? null);
+  return response.status >= 400 && response.status < 500
+    ? `Refused: ${text}`
+    : `Server error (HTTP ${response.status}): ${text}`;
+}
+
+// Messages about one model that must go once it is gone: element id -> model uid.
+const aboutModel = {};
+
+function say(id, text, uid = null) {
+  $(id).textContent = text;
+  if (uid === null) delete aboutModel[id];
+  else aboutModel[id] = uid;
+}
+
 function ms(seconds) {
   return seconds === null || seconds === undefined ? "–" : `${(seconds * 1000).toFixed(2)} ms`;
 }
@@ -129,22 +148,24 @@ $("launch-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   clearErrors();
   const button = $("launch-button");
-  const status = $("launch-status");
   button.disabled = true;
-  status.textContent = "Launching: engines are loading (progress below)…";
+  say("launch-status", "Launching: engines are loading (progress below)…");
   refresh();
   try {
     const response = await api("POST", "/v1/models", launchBody());
     if (response.ok) {
-      status.textContent = `Launched ${response.data.model_uid}: ${response.data.xavier}`;
+      const uid = response.data.model_uid;
+      say("launch-status", `Launched ${uid}: ${response.data.xavier}`, uid);
     } else if (response.status === 409) {
-      status.textContent = response.data.detail;
-    } else {
-      status.textContent = "Launch refused.";
+      say("launch-status", response.data.detail);
+    } else if (response.status < 500) {
+      say("launch-status", "Launch refused.");
       showApiError(response);
+    } else {
+      say("launch-status", `Launch failed: ${failure(response)}`);
     }
   } catch (error) {
-    status.textContent = `Launch failed: ${error}`;
+    say("launch-status", `Launch failed: ${error}`);
   } finally {
     button.disabled = false;
     refresh();
@@ -158,7 +179,7 @@ async function terminate(uid, button) {
   const response = await api("DELETE", `/v1/models/${encodeURIComponent(uid)}`);
   if (!response.ok) {
     button.disabled = false;
-    $("connection").textContent = `Could not stop ${uid}: ${response.data && response.data.detail}`;
+    $("connection").textContent = `Could not stop ${uid}: ${failure(response)}`;
   }
   refresh();
 }
@@ -167,11 +188,14 @@ function launchingCard(model, progress) {
   const card = el("article", { class: "model", "aria-label": `Model ${model.id}` });
   const total = model.replica || 1;
   const ready = model.replicas_ready || 0;
+  // the share of the launch's steps done, engines loaded included (not only the
+  // replicas that serve, which stay 0 until the last step)
+  const done = progress ? progress.progress : 0;
   card.append(
     el("h3", { text: `${model.id} — ${model.status}` }),
     el("progress", {
-      max: String(total), value: String(ready),
-      "aria-label": `Replicas of ${model.id} ready`,
+      max: "1", value: String(done),
+      "aria-label": `Launch of ${model.id}`,
     }),
     el("p", {
       class: "detail",
@@ -291,6 +315,11 @@ async function refresh() {
     }));
     $("models").replaceChildren(...(cards.length ? cards : [el("p", { class: "empty", text: "No model is launched." })]));
     fillModelSelects(models.filter(serving));
+    // a finished launch's status and a chat error go with their model
+    const listed = new Set(models.map((model) => model.id));
+    for (const [id, uid] of Object.entries(aboutModel)) {
+      if (!listed.has(uid)) say(id, "");
+    }
     $("connection").textContent = `Updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
     $("connection").textContent = `Cannot reach the server: ${error.message}`;
@@ -309,7 +338,7 @@ $("prefix-form").addEventListener("submit", async (event) => {
   const messages = [{ role: "user", content: $("prefix-prompt").value }];
   const response = await api("POST", `/v1/models/${encodeURIComponent(model)}/prefix`, { messages });
   if (!response.ok) {
-    result.textContent = `Lookup failed: ${JSON.stringify(response.data && response.data.detail)}`;
+    result.textContent = `Lookup failed: ${failure(response)}`;
     return;
   }
   const hit = response.data;
@@ -321,9 +350,8 @@ $("prefix-form").addEventListener("submit", async (event) => {
 $("chat-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const model = $("chat-model").value;
-  const error = $("chat-error");
-  error.textContent = "";
-  if (!model) { error.textContent = "Launch a model first."; return; }
+  say("chat-error", "");
+  if (!model) { say("chat-error", "Launch a model first."); return; }
   const prompt = $("chat-prompt").value;
   const send = $("chat-send");
   send.disabled = true;
@@ -335,7 +363,7 @@ $("chat-form").addEventListener("submit", async (event) => {
       temperature: 0,
     });
     if (!response.ok) {
-      error.textContent = `Refused: ${JSON.stringify(response.data && response.data.detail)}`;
+      say("chat-error", failure(response), model);
       return;
     }
     const replica = response.headers.get("X-Xinference-Replica");
@@ -352,8 +380,8 @@ $("chat-form").addEventListener("submit", async (event) => {
       el("p", { class: "reply", text: response.data.choices[0].message.content }),
     ));
     refresh();
-  } catch (failure) {
-    error.textContent = `Request failed: ${failure}`;
+  } catch (problem) {
+    say("chat-error", `Request failed: ${problem}`, model);
   } finally {
     send.disabled = false;
   }

@@ -18,10 +18,14 @@ _UNITS = {
     "mb": 1000**2,
     "g": 1000**3,
     "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
+    "tib": 1024**4,
 }
+_BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB")
 _SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 
 TRANSPORTS = ("xoscar", "nixl")
@@ -52,6 +56,18 @@ def parse_size(value: int | str) -> int:
             f"one of the units {', '.join(u for u in _UNITS if u)} (e.g. 256MiB)"
         )
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` for a person: bytes below 1 KiB, else binary units (``1.5 GiB``)."""
+    if nbytes < 1024:
+        return f"{nbytes} bytes"
+    value = float(nbytes)
+    for unit in _BINARY_UNITS:
+        value /= 1024
+        if value < 1024 or unit == _BINARY_UNITS[-1]:
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True, slots=True)

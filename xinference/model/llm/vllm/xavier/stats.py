@@ -118,20 +118,31 @@ class EngineInfo:
     layers: int
     device: str
     scatter_path: str  # see engine/blocks.py: stacked, span or per layer
+    block_size: int = 0  # tokens per block (0: not given)
 
 
 @dataclass(frozen=True, slots=True)
 class XavierStats:
-    """Everything a replica's transfer actor counts. ``store``, ``transport`` and
-    ``engine`` are None until the engine's caches are mapped."""
+    """Everything a replica's transfer actor counts. ``store``, ``transport``,
+    ``cpu_tier_transport`` and ``engine`` are None until the engine's caches are
+    mapped.
+
+    Bytes moved are counted per tier: ``transport`` is the device-tier transport's
+    (nixl or xoscar), ``cpu_tier_transport`` the CPU tier's batched actor replies
+    (``transports/cpu_tier.py``) in the same fields (``received_*`` as a loader,
+    ``sent_*`` as a holder). ``mapping_error`` is why the last attempt to map the
+    engine's caches failed (None: none failed, or one succeeded since).
+    """
 
     actor: ActorCounters = field(default_factory=ActorCounters)
     load_latency: LatencySummary = field(default_factory=LatencySummary)
     store: StoreStats | None = None
     transport: TransportStats | None = None
+    cpu_tier_transport: TransportStats | None = None
     engine: EngineInfo | None = None
     in_flight_loads: int = 0
     closed: bool = False
+    mapping_error: str | None = None
 
     @property
     def mapped(self) -> bool:

@@ -468,17 +468,38 @@ async def test_engine_caches_are_mapped_exactly_once_and_must_match(cluster):
         await actor.map_engine_caches(engine.handles, nb + 1, MODEL, bs)
     with pytest.raises(ValueError, match="does not fit layout 'packed_kv'"):
         await actor.map_engine_caches(engine.handles, nb, MODEL, bs, PACKED_KV_LAYOUT)
+    # the last failure's cause is kept for the launcher, type and message
+    error = (await actor.stats()).mapping_error
+    assert error.startswith("ValueError: ") and "does not fit layout" in error
     # Failed attempts left nothing behind: mapping the right caches works, once.
     identity = await actor.map_engine_caches(engine.handles, nb, MODEL, bs)
+    assert (await actor.stats()).mapping_error is None
     assert identity == engine.identity()
     assert identity.layout == KV_FIRST_LAYOUT and identity.geometry.block_size == bs
     with pytest.raises(RuntimeError, match="already mapped"):
         await actor.map_engine_caches(engine.handles, nb, MODEL, bs)
+    assert (await actor.stats()).mapping_error is None  # still mapped
     # The actor reads through the mapping from this process's tensors.
     engine.fill_random([5], seed=8)
     assert (
         await stage_and_register(actor, stage_items(prompt_keys(1, salt=8), [5])) == 1
     )
+
+
+async def test_a_store_too_large_to_allocate_is_a_mapping_error_with_its_cause(
+    cluster,
+):
+    """A device budget no memory holds fails the mapping with the allocator's own
+    message, and the caller in another process gets that message too."""
+    engine = SyntheticEngine(SPEC)
+    actor = await cluster.add_replica(0, engine, 2**50, 8, map_caches=False)
+    with pytest.raises(RuntimeError) as raised:
+        await actor.map_engine_caches(
+            engine.handles, SPEC.num_blocks, MODEL, SPEC.block_size
+        )
+    assert "can't allocate memory" in str(raised.value)
+    error = (await actor.stats()).mapping_error
+    assert error.startswith("RuntimeError: ") and "can't allocate memory" in error
 
 
 def test_config_is_validated_at_the_edge():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 
 from xinference.model.llm.vllm.xavier.engine.layout import PACKED_KV_LAYOUT
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
+from xinference.model.llm.vllm.xavier.stats import TransportStats
 from xinference.model.llm.vllm.xavier.store.tiered import TieredKVSnapshotStore
 from xinference.model.llm.vllm.xavier.transports.cpu_tier import (
     check_cpu_rows_reply,
@@ -115,6 +118,7 @@ async def test_batched_reads_from_a_holder_in_another_process_are_bit_exact(clus
         received[first_row] = rows.clone()
 
     geometry = engine.geometry
+    counters = TransportStats()
     loaded = await load_cpu_rows(
         holder,
         lease_id,
@@ -123,9 +127,30 @@ async def test_batched_reads_from_a_holder_in_another_process_are_bit_exact(clus
         scatter,
         timeout_s=30,
         max_read_bytes=5 * geometry.block_nbytes,
+        counters=counters,
     )
     assert loaded == n * geometry.num_layers
     assert sorted(received) == [0, 10, 20, 30]  # 4 reads: 5 + 5 + 5 + 1 blocks
+    # each reply counted as it arrived: the rows, nothing more
+    assert counters.received_copies == 4 and counters.loads == 1
+    assert counters.received_wire_bytes == n * geometry.block_nbytes
+    assert counters.received_useful_bytes == n * geometry.block_nbytes
+    # a refused read (no such lease) counts as a failure, a late one as a timeout
+    with pytest.raises(KeyError):
+        await load_cpu_rows(
+            holder, "no-lease", keys[:1], geometry, scatter, 30, counters=counters
+        )
+    assert counters.transfer_failures == 1 and counters.loads == 1
+
+    class Stalled:
+        async def read_cpu_rows(self, lease_id, keys):
+            await asyncio.sleep(30)
+
+    with pytest.raises(TimeoutError):
+        await load_cpu_rows(
+            Stalled(), lease_id, keys[:1], geometry, scatter, 0.05, counters=counters
+        )
+    assert counters.transfer_timeouts == 1 and counters.transfer_failures == 1
     rows = torch.cat([received[r] for r in sorted(received)])
     assert torch.equal(rows.reshape(-1).view(torch.int16), patterns.view(torch.int16))
     stats = await holder.stats()

@@ -33,7 +33,7 @@ from ..aio import finish_even_if_cancelled, with_deadline
 from ..engine.blocks import BlockDestinations, BlockMajorCache
 from ..engine.device import DeviceWorkMark, settle
 from ..hashing import BlockHash
-from ..stats import ActorCounters, LatencyRecorder
+from ..stats import ActorCounters, LatencyRecorder, TransportStats
 from ..transports.base import DeviceTierTransport, RowScatter
 from ..transports.cpu_tier import CpuRowsReply, load_cpu_rows
 from ..transports.xoscar.gpu_transfer import check_logical_dtype
@@ -122,6 +122,7 @@ class LoadRunner:
         rpc_timeout_s: float,
         counters: ActorCounters,
         latency: LatencyRecorder,
+        cpu_tier_counters: TransportStats | None = None,
     ) -> None:
         self._rank = rank
         self._cache = cache
@@ -130,6 +131,8 @@ class LoadRunner:
         self._rpc_timeout_s = rpc_timeout_s
         self._counters = counters
         self._latency = latency
+        # bytes read from holders' CPU tiers (the device tier's: the transport's)
+        self._cpu_tier_counters = cpu_tier_counters or TransportStats()
         # load id -> load in progress
         self._loads: dict[str, _Load] = {}
         # load id -> result not yet collected (by wait or finished)
@@ -327,6 +330,7 @@ class LoadRunner:
                     # it returns): nothing to wait for per chunk
                     self._row_scatter(load, cpu_blocks, complete_each_chunk=False),
                     self._rpc_timeout_s,
+                    counters=self._cpu_tier_counters,
                 )
             )
         # Both tiers at once; each part runs to its end before we look at errors, so

@@ -40,11 +40,17 @@ from ..engine.device import (
 from ..engine.layout import detect_layout
 from ..engine.scatter_graphs import graphs_requested
 from ..hashing import BlockHash
-from ..stats import ActorCounters, EngineInfo, LatencyRecorder, XavierStats
+from ..stats import (
+    ActorCounters,
+    EngineInfo,
+    LatencyRecorder,
+    TransportStats,
+    XavierStats,
+)
 from ..store.tiered import TieredKVSnapshotStore
 from ..transports import create_device_tier_transport
 from ..transports.base import DeviceTierTransport, HolderOp, TransportContext
-from ..transports.cpu_tier import CpuRowsReply, gather_cpu_rows
+from ..transports.cpu_tier import CpuRowsReply, count_cpu_rows, gather_cpu_rows
 from ..wire import LeaseGrant, LoadRequest, LoadResult, ReplicaIdentity, StageItem
 from .leases import LeaseBook
 from .loads import HolderLink, LoadRunner, release_lease
@@ -138,6 +144,8 @@ class XavierTransferActor(xo.StatelessActor):
         # by close()
         self._operations: set[asyncio.Task[Any]] = set()
         self._counters = ActorCounters()
+        # CPU-tier rows read from peers (received_*) and served to them (sent_*)
+        self._cpu_tier_counters = TransportStats()
         self._tracker_updates = TrackerUpdates(
             config.rank, self._counters, self._deadline
         )
@@ -145,6 +153,8 @@ class XavierTransferActor(xo.StatelessActor):
         self._load_latency = LatencyRecorder()
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
+        # why the last attempt to map the engine's caches failed (None: none did)
+        self._mapping_error: str | None = None
         # load id -> result of a load that ended before close, not yet collected
         self._results_after_close: dict[str, LoadResult] = {}
 
@@ -191,6 +201,28 @@ class XavierTransferActor(xo.StatelessActor):
         ``stage_ring``. Returns this replica's identity. A failed attempt leaves
         nothing behind, so the caller may retry; a second successful one is refused.
         """
+        try:
+            identity = await self._map_engine_caches(
+                handles, num_blocks, model, block_size, layout_hint, staging_ring
+            )
+        except Exception as exc:
+            if self._mapped is None:
+                # kept for stats(): the launcher waiting for the mapping reports
+                # this cause at once instead of timing out without one
+                self._mapping_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self._mapping_error = None
+        return identity
+
+    async def _map_engine_caches(
+        self,
+        handles: SharedTensorHandles,
+        num_blocks: int,
+        model: str,
+        block_size: int,
+        layout_hint: str | None,
+        staging_ring: SharedTensorHandles | None,
+    ) -> ReplicaIdentity:
         self._check_open()
         if self._mapped is not None:
             raise RuntimeError(
@@ -253,6 +285,7 @@ class XavierTransferActor(xo.StatelessActor):
                 rpc_timeout_s=config.rpc_timeout_s,
                 counters=self._counters,
                 latency=self._load_latency,
+                cpu_tier_counters=self._cpu_tier_counters,
             ),
             transport.holder_ops(),
             ring,
@@ -373,6 +406,7 @@ class XavierTransferActor(xo.StatelessActor):
         mapped = self._require_mapped()
         reply = gather_cpu_rows(mapped.store, lease_id, keys)
         self._counters.cpu_rows_served += len(keys) * mapped.cache.num_layers
+        count_cpu_rows(self._cpu_tier_counters, reply, received=False)
         return reply
 
     # ---- loader side ------------------------------------------------------------
@@ -444,6 +478,9 @@ class XavierTransferActor(xo.StatelessActor):
             load_latency=self._load_latency.summary(),
             store=None if mapped is None else mapped.store.stats(),
             transport=None if mapped is None else mapped.transport.stats(),
+            cpu_tier_transport=(
+                None if mapped is None else replace(self._cpu_tier_counters)
+            ),
             engine=(
                 None
                 if mapped is None
@@ -452,10 +489,12 @@ class XavierTransferActor(xo.StatelessActor):
                     layers=mapped.cache.num_layers,
                     device=str(mapped.cache.device),
                     scatter_path=mapped.cache.scatter_path,
+                    block_size=mapped.cache.geometry.block_size,
                 )
             ),
             in_flight_loads=0 if mapped is None else mapped.loads.in_flight,
             closed=self._closing,
+            mapping_error=self._mapping_error,
         )
 
     async def close(self) -> None:

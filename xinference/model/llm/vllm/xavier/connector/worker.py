@@ -184,11 +184,14 @@ class WorkerSide:
         except Exception as exc:  # retried at a later step; see _try_mapping
             self._map_failures += 1
             if self._map_failures in (1, 10) or self._map_failures % 100 == 0:
+                # type and str, not repr: an error raised in the actor arrives
+                # as xoscar's wrapper, whose repr drops the message
                 logger.warning(
                     "Xavier: transfer actor not ready yet (attempt %d, retrying "
-                    "every %.1f s): %r",
+                    "every %.1f s): %s: %s",
                     self._map_failures,
                     self._settings.map_retry_s,
+                    type(exc).__name__,
                     exc,
                 )
 

@@ -32,6 +32,7 @@ import xoscar as xo
 
 from ..engine.layout import wide_view
 from ..hashing import BlockHash
+from ..stats import TransportStats
 from ..store.tiered import TieredKVSnapshotStore
 from ..wire import CPU_TIER, KVGeometry
 from .base import RowScatter
@@ -74,22 +75,56 @@ async def load_cpu_rows(
     scatter: RowScatter,
     timeout_s: float,
     max_read_bytes: int = MAX_READ_BYTES,
+    counters: TransportStats | None = None,
 ) -> int:
     """Loader side: read ``keys`` from the holder's CPU tier batch by batch and hand
     each batch to ``scatter(first_row, rows)``; returns the number of rows loaded.
 
     ``first_row`` counts global rows over ``keys`` (layer ``r % L`` of
     ``keys[r // L]``), as the device-tier transport does. Each call to the holder
-    has a deadline of ``timeout_s``.
+    has a deadline of ``timeout_s``. ``counters`` (the loader's CPU-tier counts)
+    get each reply's bytes as ``received_*``, a completed read as a load, a missed
+    deadline as a timeout and any other failed read as a failure.
     """
     num_layers = geometry.num_layers
     keys_per_read = max(1, max_read_bytes // geometry.block_nbytes)
+    counts = TransportStats() if counters is None else counters
     for start in range(0, len(keys), keys_per_read):
         batch = list(keys[start : start + keys_per_read])
-        reply = await xo.wait_for(holder_ref.read_cpu_rows(lease_id, batch), timeout_s)
-        rows = check_cpu_rows_reply(reply, batch, geometry)
+        try:
+            reply = await xo.wait_for(
+                holder_ref.read_cpu_rows(lease_id, batch), timeout_s
+            )
+            rows = check_cpu_rows_reply(reply, batch, geometry)
+        except TimeoutError:
+            counts.transfer_timeouts += 1
+            raise
+        except Exception:
+            counts.transfer_failures += 1
+            raise
+        count_cpu_rows(counts, reply, received=True)
         scatter(start * num_layers, rows)
+    counts.loads += 1
     return len(keys) * num_layers
+
+
+def count_cpu_rows(
+    counters: TransportStats, reply: CpuRowsReply, *, received: bool
+) -> None:
+    """Count one ``read_cpu_rows`` reply: received by a loader or sent by a holder.
+
+    The rows are the payload and all that crosses besides a few dtype names, so
+    wire bytes equal useful bytes here.
+    """
+    nbytes = int(reply[1].nbytes)
+    if received:
+        counters.received_copies += 1
+        counters.received_wire_bytes += nbytes
+        counters.received_useful_bytes += nbytes
+    else:
+        counters.sent_copies += 1
+        counters.sent_wire_bytes += nbytes
+        counters.sent_useful_bytes += nbytes
 
 
 def check_cpu_rows_reply(

@@ -1,0 +1,68 @@
+"""A replica's final Xavier counters as a few words for a person (``terminate``).
+
+The full counters (``XavierStats.as_dict()``: about 60 numbers, histogram buckets
+included) stay in ``GET /v1/models/{uid}/stats`` and ``xinference terminate
+--json``; this says what a user asks after a run: how much was loaded from peers,
+from which tier, how fast, and whether anything went wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..model.llm.vllm.xavier.config import format_size
+
+# ActorCounters / TransportStats fields that count something going wrong, and how
+# the summary names them
+_FAULTS = (
+    ("actor", "loads_failed", "loads failed"),
+    ("actor", "connector_faults", "connector faults"),
+    ("actor", "stage_failures", "stage failures"),
+    ("actor", "lease_release_failures", "lease releases failed"),
+    ("actor", "tracker_failures", "tracker updates failed"),
+    ("transport", "transfer_timeouts", "device-tier transfer timeouts"),
+    ("transport", "transfer_failures", "device-tier transfer failures"),
+    ("cpu_tier_transport", "transfer_timeouts", "CPU-tier read timeouts"),
+    ("cpu_tier_transport", "transfer_failures", "CPU-tier read failures"),
+)
+
+
+def summarize_xavier(stats: dict[str, Any]) -> str:
+    """One line from ``XavierStats.as_dict()``: hits by tier, tokens and bytes
+    loaded, load p50/p95, snapshots served to peers, and faults."""
+    actor = stats.get("actor") or {}
+    device = int(actor.get("device_tier_blocks_loaded", 0))
+    cpu = int(actor.get("cpu_tier_blocks_loaded", 0))
+    block_size = int((stats.get("engine") or {}).get("block_size", 0))
+    loaded_bytes = sum(
+        int((stats.get(section) or {}).get("received_useful_bytes", 0))
+        for section in ("transport", "cpu_tier_transport")
+    )
+    hits = f"hits {device} device-tier + {cpu} CPU-tier blocks"
+    if block_size:
+        hits += f" ({(device + cpu) * block_size:,} tokens)"
+    parts = [hits, f"{format_size(loaded_bytes)} loaded"]
+    latency = stats.get("load_latency") or {}
+    if latency.get("p50_s") is not None:
+        parts.append(
+            f"load p50 {_ms(latency['p50_s'])}, p95 {_ms(latency['p95_s'])} "
+            f"({latency.get('count', 0)} loads)"
+        )
+    else:
+        parts.append("no loads")
+    store = stats.get("store") or {}
+    served = int(store.get("device_hits", 0)) + int(store.get("cpu_hits", 0))
+    parts.append(f"served {served} snapshots to peers")
+    faults = [
+        f"{count} {name}"
+        for section, field_name, name in _FAULTS
+        if (count := int((stats.get(section) or {}).get(field_name, 0)))
+    ]
+    parts.append("faults: " + (", ".join(faults) if faults else "none"))
+    if stats.get("mapping_error"):
+        parts.append(f"mapping failed: {stats['mapping_error']}")
+    return "; ".join(parts)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f} ms"
