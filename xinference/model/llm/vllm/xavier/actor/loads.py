@@ -58,6 +58,27 @@ class HolderLink(Protocol):
 HolderLinks = Callable[[str, int], Awaitable[HolderLink]]
 
 
+class _CountingHolder:
+    """A holder link that counts the calls a load makes on it: each is a round
+    trip on that load's critical path (``LoadResult.round_trips``)."""
+
+    def __init__(self, holder: HolderLink, load: _Load) -> None:
+        self._holder = holder
+        self._load = load
+
+    async def transport_call(self, op: str, *args: Any) -> Any:
+        self._load.round_trips += 1
+        return await self._holder.transport_call(op, *args)
+
+    async def read_cpu_rows(self, lease_id: str, keys: list[BlockHash]) -> CpuRowsReply:
+        self._load.round_trips += 1
+        return await self._holder.read_cpu_rows(lease_id, keys)
+
+    async def release(self, lease_id: str) -> None:
+        self._load.round_trips += 1
+        await self._holder.release(lease_id)
+
+
 class LoadCancelled(Exception):
     """Raised inside a load when ``cancel`` asked it to stop."""
 
@@ -107,6 +128,8 @@ class _Load:
     task: asyncio.Task[None] | None = None
     cancel_requested: bool = False
     started: float = field(default_factory=time.perf_counter)
+    # calls on the holder before the result was recorded (critical-path round trips)
+    round_trips: int = 0
 
 
 class LoadRunner:
@@ -241,6 +264,7 @@ class LoadRunner:
             error = error or exc
         # Every write into our memory has finished here: the transports return only
         # once the holder can no longer write, and the scatters were waited for.
+        load.round_trips += 1  # the release, awaited before the result
         await self._release_on_holder(req)
         for block_id in req.dst_block_ids:
             if self._busy_blocks.get(block_id) == req.load_id:
@@ -256,7 +280,12 @@ class LoadRunner:
         if error is None:
             self._counters.loads_ok += 1
             self._latency.record(time.perf_counter() - load.started)
-            return LoadResult(req.load_id, ok=True, num_blocks=num_blocks)
+            return LoadResult(
+                req.load_id,
+                ok=True,
+                num_blocks=num_blocks,
+                round_trips=load.round_trips,
+            )
         if isinstance(error, LoadCancelled):
             self._counters.loads_cancelled += 1
         else:
@@ -274,6 +303,7 @@ class LoadRunner:
             ok=False,
             num_blocks=num_blocks,
             error=f"{type(error).__name__}: {error}",
+            round_trips=load.round_trips,
         )
 
     async def _transfer(self, load: _Load) -> None:
@@ -281,7 +311,9 @@ class LoadRunner:
         grant = req.grant
         if load.cancel_requested:
             raise LoadCancelled(f"load {req.load_id!r} was cancelled")
-        holder = await self._holders(req.holder_address, grant.holder_rank)
+        holder = _CountingHolder(
+            await self._holders(req.holder_address, grant.holder_rank), load
+        )
         # tier -> (positions in the grant, keys, destination blocks)
         by_tier: dict[str, tuple[list[int], list[BlockHash], list[int]]] = {
             DEVICE_TIER: ([], [], []),
@@ -338,7 +370,7 @@ class LoadRunner:
         self._counters.device_tier_blocks_loaded += len(device_keys)
         self._counters.cpu_tier_blocks_loaded += len(cpu_keys)
 
-    def _holder_call(self, holder: HolderLink) -> Callable[..., Awaitable[Any]]:
+    def _holder_call(self, holder: _CountingHolder) -> Callable[..., Awaitable[Any]]:
         async def call(op: str, *args: Any) -> Any:
             return await with_deadline(
                 holder.transport_call(op, *args), self._rpc_timeout_s

@@ -94,6 +94,12 @@ class _RequestState:
     # A load was planned (or failed to be): the request never gets a second one,
     # so a load that keeps failing cannot make vLLM retry it forever.
     load_attempted: bool = False
+    # Counted for benchmarks (reported with the request's output): the engine
+    # pass in which vLLM first asked about the request, the passes from there
+    # until its first forward, and the round trips to actors on that path.
+    asked_at_pass: int = 0
+    passes_waited: int | None = None
+    round_trips: int = 0
 
 
 class SchedulerSide:
@@ -114,6 +120,7 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         # loads decided since the last step was built
         self._new_loads: list[RequestLoad] = []
+        self._passes = 0  # steps built so far: one per pass of vLLM's scheduler
         # counters for logs and tests
         self.stats: dict[str, int] = {
             "lookups": 0,
@@ -204,11 +211,15 @@ class SchedulerSide:
             self._drop_reservation(state)
 
         self.stats["lookups"] += 1
+        mirror_lookups = self.stats["mirror_lookups"]
         pending = self._reservations.start(
             req_id, state.keys[:lookup_blocks], local_blocks, self._identity
         )
+        if self.stats["mirror_lookups"] == mirror_lookups:
+            state.round_trips += 1  # the mirror was not ready: the tracker was asked
         if pending is None:
             return 0, False
+        state.round_trips += 1  # the reservation on the holder
         state.pending = pending
         answer = self._settle(state, pending)
         if answer[0] is None:
@@ -345,6 +356,14 @@ class SchedulerSide:
             state.load_blocks = ()
             state.staged_upto = min(state.staged_upto, failed_at)
 
+    def record_load_round_trips(self, round_trips: dict[str, int]) -> None:
+        """The worker's count of actor round trips per ended load (its start, its
+        waits or polls, the actor's calls on the holder)."""
+        for req_id, count in round_trips.items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.round_trips += count
+
     def fail_pending_loads(self) -> StepMetadata:
         """A step that only fails the loads decided since the last step (building
         the step failed): their leases are released and the worker reports their
@@ -391,6 +410,8 @@ class SchedulerSide:
                 state.block_ids = list(item.block_ids)
             elif state.block_ids is not None:
                 state.block_ids.extend(item.block_ids)
+            if state.passes_waited is None and item.num_scheduled_tokens > 0:
+                state.passes_waited = self._passes - state.asked_at_pass
             table = state.block_ids
             if table is None:
                 # Never saw the whole table (cannot happen with the vLLM versions
@@ -430,6 +451,7 @@ class SchedulerSide:
         self.stats["staged_blocks"] += len(stage) + sum(
             len(c.items) for c in conditional
         )
+        self._passes += 1
         return StepMetadata(
             loads=loads,
             stage=tuple(stage),
@@ -451,6 +473,10 @@ class SchedulerSide:
             "xavier_external_tokens": len(state.loaded_into)
             * self._settings.block_size,
             "xavier_holder_rank": state.holder_rank,
+            # counted, for benchmarks: passes from vLLM's first question to the
+            # request's first forward, and actor round trips on that path
+            "xavier_passes_waited": state.passes_waited,
+            "xavier_round_trips": state.round_trips,
         }
 
     def close(self) -> None:
@@ -483,7 +509,7 @@ class SchedulerSide:
                 prompt, self._settings.block_size, self._settings.namespace
             )
             tokens = prompt if all_token_ids is None else all_token_ids
-            state = _RequestState(tokens, len(prompt), keys)
+            state = _RequestState(tokens, len(prompt), keys, asked_at_pass=self._passes)
             self._requests[req_id] = state
         return state
 

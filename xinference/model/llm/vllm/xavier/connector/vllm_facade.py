@@ -99,10 +99,16 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 
 class XavierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the replica identity, once the caches are mapped."""
+    """Worker -> scheduler: the replica identity, once the caches are mapped, and
+    the actor round trips of the loads that ended (req_id -> count)."""
 
-    def __init__(self, identity: ReplicaIdentity) -> None:
+    def __init__(
+        self,
+        identity: ReplicaIdentity | None,
+        round_trips: dict[str, int] | None = None,
+    ) -> None:
         self.identity = identity
+        self.round_trips = round_trips or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         return self  # one worker per engine (tensor/pipeline parallel are refused)
@@ -311,7 +317,9 @@ class XavierConnector(KVConnectorBase_V1):
         try:
             meta = connector_output.kv_connector_worker_meta
             if isinstance(meta, XavierWorkerMetadata):
-                self._scheduler.set_identity(meta.identity)
+                if meta.identity is not None:
+                    self._scheduler.set_identity(meta.identity)
+                self._scheduler.record_load_round_trips(meta.round_trips)
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
@@ -421,7 +429,10 @@ class XavierConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         identity = self._worker.take_identity_report()
-        return None if identity is None else XavierWorkerMetadata(identity)
+        round_trips = self._worker.take_round_trips()
+        if identity is None and not round_trips:
+            return None
+        return XavierWorkerMetadata(identity, round_trips)
 
     def shutdown(self) -> None:
         self._engine_time.log()

@@ -68,6 +68,9 @@ class _InFlightLoad:
     dst_block_ids: tuple[int, ...]
     started: float = field(default_factory=time.monotonic)
     cancel: asyncio.Future[None] | None = None  # cancel_load in progress
+    # actor calls on this load's critical path: start_load, each wait or poll
+    # until its result came, and the actor's own calls on the holder
+    round_trips: int = 1
 
 
 @dataclass(slots=True)
@@ -118,6 +121,8 @@ class WorkerSide:
         # requests whose load ended (or never started) but are not yet reported
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        # req_id -> round trips of its ended load, until the scheduler half is told
+        self._round_trips: dict[str, int] = {}
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
@@ -302,6 +307,8 @@ class WorkerSide:
         async def wait_one(load_id: str) -> None:
             if load_id not in self._in_flight:
                 return  # failed to start, already recorded
+            load = self._in_flight[load_id]
+            load.round_trips += 1
             try:
                 result: LoadResult = await self._actor.wait_load(
                     load_id, self._settings.load_timeout_s
@@ -312,7 +319,7 @@ class WorkerSide:
                 await self._cancel_quietly(load_id)
                 self._load_ended(load_id, f"wait failed: {exc!r}")
                 return
-            self._load_ended(load_id, None if result.ok else result.error)
+            self._load_ended(load_id, result)
 
         await asyncio.gather(*(wait_one(r.load_id) for r in requests))
 
@@ -327,10 +334,17 @@ class WorkerSide:
         except Exception as exc:
             logger.error("Xavier: cancelling load %s failed: %r", load_id, exc)
 
-    def _load_ended(self, load_id: str, error: str | None) -> None:
+    def _load_ended(self, load_id: str, outcome: str | LoadResult | None) -> None:
+        """Record the end of a load: ``outcome`` is its result, or the error that
+        ended it here (None: it succeeded)."""
         load = self._in_flight.pop(load_id, None)
         if load is None:
             return
+        error = outcome
+        if isinstance(outcome, LoadResult):
+            error = None if outcome.ok else outcome.error
+            load.round_trips += outcome.round_trips
+        self._round_trips[load.req_id] = load.round_trips
         if error is not None:
             logger.warning(
                 "Xavier: load %s of request %s failed, recomputing %d blocks: %s",
@@ -378,6 +392,8 @@ class WorkerSide:
         return None, (done or None)
 
     async def _poll(self, finished_req_ids: set[str]) -> None:
+        for load in self._in_flight.values():
+            load.round_trips += 1
         try:
             results: list[LoadResult] = await self._actor.finished_loads()
         except Exception as exc:
@@ -387,7 +403,7 @@ class WorkerSide:
             logger.error("Xavier: polling the transfer actor failed: %r", exc)
             results = []
         for result in results:
-            self._load_ended(result.load_id, None if result.ok else result.error)
+            self._load_ended(result.load_id, result)
         now = time.monotonic()
         for load_id, load in list(self._in_flight.items()):
             late = now - load.started > self._settings.load_timeout_s
@@ -395,6 +411,12 @@ class WorkerSide:
                 load.cancel = asyncio.ensure_future(self._cancel_quietly(load_id))
             elif load.cancel is not None and load.cancel.done():
                 self._load_ended(load_id, "cancelled")
+
+    def take_round_trips(self) -> dict[str, int]:
+        """Per request whose load ended since the last call: the actor round trips
+        on its critical path (counted, for benchmarks and logs)."""
+        counts, self._round_trips = self._round_trips, {}
+        return counts
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
