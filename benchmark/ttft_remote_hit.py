@@ -124,7 +124,7 @@ def measure_variant(
             )
             engines[name] = EngineProcess(f"bench-{name}", kwargs).start()
         for engine in engines.values():
-            engine.wait_ready()
+            engine.wait_ready(900)
             engine.generate([random_prompt(rng, 64)], max_tokens=4)
         a, b = engines["A"], engines["B"]
         for length in args.lengths:
@@ -237,7 +237,9 @@ def print_table(label: str, rows: list[dict[str, Any]], stats: dict[int, Any]) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=12)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048]
+    )
     parser.add_argument("--gpu-cache-bytes", type=int, default=None)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
     parser.add_argument("--model", choices=("tiny", "qwen-shaped"), default="tiny")
@@ -262,12 +264,15 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d')}"
     )
     for label, result in results.items():
-        print_table(f"{label} {result['env'] or ''}".strip(), result["rows"], result["stats"])
+        print_table(
+            f"{label} {result['env'] or ''}".strip(), result["rows"], result["stats"]
+        )
     if len(results) > 1:
         first, *others = results
         print()
         for label in others:
-            for base, row in zip(results[first]["rows"], results[label]["rows"]):
+            pairs = zip(results[first]["rows"], results[label]["rows"], strict=True)
+            for base, row in pairs:
                 print(
                     f"{row['prompt_tokens']} tokens: remote hit {label}/{first} = "
                     f"{row['remote_ms'] / base['remote_ms']:.2f}, remote - local "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +131,12 @@ class _Load:
     started: float = field(default_factory=time.perf_counter)
     # calls on the holder before the result was recorded (critical-path round trips)
     round_trips: int = 0
+    # its caller stopped waiting and reported its blocks failed (``fence``): no
+    # write may land any more, and its result is nobody's
+    fenced: bool = False
+    # held by each scatter, from its cancel check to the end of its write (a
+    # transport may scatter from a worker thread): ``fence`` takes it once
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class LoadRunner:
@@ -159,14 +166,18 @@ class LoadRunner:
         self._results: dict[str, LoadResult] = {}
         # engine block id -> id of the load that is writing it
         self._busy_blocks: dict[int, str] = {}
+        # lease releases sent after their load's result was recorded
+        self._releases: set[asyncio.Task[None]] = set()
 
     @property
     def in_flight(self) -> int:
         return len(self._loads)
 
     def tasks(self) -> list[asyncio.Task[None]]:
-        """The tasks of the loads in progress (to drain them at shutdown)."""
-        return [load.task for load in self._loads.values() if load.task is not None]
+        """The tasks of the loads in progress and of the lease releases still
+        being sent (to drain them at shutdown)."""
+        tasks = [load.task for load in self._loads.values() if load.task is not None]
+        return tasks + list(self._releases)
 
     async def start(self, req: LoadRequest) -> None:
         """Start a load; returns at once. A refused request (clear errors, raised
@@ -194,6 +205,66 @@ class LoadRunner:
             raise KeyError(
                 f"no load {load_id!r} to wait for (or already collected)"
             ) from None
+
+    async def wait_bounded(self, load_id: str, wait_s: float) -> LoadResult:
+        """Wait at most ``wait_s`` for a load to end and collect its result; past
+        that, fence the load (``fence``) and answer that it failed, so the caller
+        can report its blocks to vLLM at once (the synchronous path's bound)."""
+        load = self._loads.get(load_id)
+        if load is not None and load.task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(load.task), wait_s)
+            except TimeoutError:
+                await self.fence(load_id)
+                self._counters.loads_past_bound += 1
+                return LoadResult(
+                    load_id,
+                    ok=False,
+                    num_blocks=len(load.request.grant.keys),
+                    error=f"no result within its bound of {wait_s * 1e3:.1f} ms",
+                    round_trips=load.round_trips,
+                )
+        return self._results.pop(load_id)
+
+    async def fence(self, load_id: str) -> None:
+        """From the return of this call on, no write of the load lands in its
+        engine blocks, without waiting for its holder; its result is dropped
+        (the caller reports the blocks as failed, vLLM recomputes them).
+
+        Every scatter runs on this loop and checks the cancel flag first, so once
+        the flag is set and the copies already queued are complete, nothing more
+        is written. A READ a transport placed straight in the engine blocks is
+        waited for: the transports place one there only where the READ ends
+        without the holder's help (``engine_reads_are_bounded``). The load keeps
+        its blocks busy (another load into them is refused) and its lease until
+        it ends on its own.
+        """
+        load = self._loads.get(load_id)
+        if load is None:
+            self._results.pop(load_id, None)  # it ended: nobody collects it
+            return
+        load.cancel_requested = True
+        load.fenced = True
+        if self._may_read_into_engine(load):
+            assert load.task is not None
+            await asyncio.shield(load.task)
+            return
+        # A scatter in progress (only possible from another thread: this loop is
+        # here) ends first; every later one sees the cancel flag and writes nothing.
+        if not load.write_lock.acquire(blocking=False):
+            await asyncio.to_thread(load.write_lock.acquire)
+        load.write_lock.release()
+        await settle(load.written)
+
+    def _may_read_into_engine(self, load: _Load) -> bool:
+        places = getattr(self._transport, "places_in_engine", None)
+        grant = load.request.grant
+        if places is None or DEVICE_TIER not in grant.tiers:
+            return False
+        hint = grant.transport_hint
+        if hint is None or not isinstance(hint.shared, tuple) or not hint.shared:
+            return True  # cannot tell which peer: assume it may
+        return bool(places(hint.shared[0]))
 
     def finished(self) -> list[LoadResult]:
         """Results of the loads that ended since the last call (each reported once)."""
@@ -264,13 +335,22 @@ class LoadRunner:
             error = error or exc
         # Every write into our memory has finished here: the transports return only
         # once the holder can no longer write, and the scatters were waited for.
-        load.round_trips += 1  # the release, awaited before the result
-        await self._release_on_holder(req)
         for block_id in req.dst_block_ids:
             if self._busy_blocks.get(block_id) == req.load_id:
                 del self._busy_blocks[block_id]
         del self._loads[req.load_id]
-        self._results[req.load_id] = self._result(load, error)
+        if isinstance(error, asyncio.CancelledError):
+            # the pool is shutting down: no later task would run
+            await self._release_on_holder(req)
+        result = self._result(load, error)
+        if not load.fenced:
+            self._results[req.load_id] = result
+        if not isinstance(error, asyncio.CancelledError):
+            # The result does not wait for the release: nothing of ours depends
+            # on it, and the holder's snapshot stays pinned a little longer only.
+            release = asyncio.create_task(self._release_on_holder(req))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
         if isinstance(error, asyncio.CancelledError):
             raise error  # the actor pool is shutting down; cleanup is done
 
@@ -385,13 +465,19 @@ class LoadRunner:
             if load.cancel_requested:
                 raise LoadCancelled(f"load {load.request.load_id!r} was cancelled")
 
-        return row_scatter(
+        scatter = row_scatter(
             self._cache,
             dst_blocks,
             load.written,
             complete_each_chunk=complete_each_chunk,
             check=check,
         )
+
+        def scatter_unless_fenced(first_row: int, rows: torch.Tensor) -> None:
+            with load.write_lock:
+                scatter(first_row, rows)
+
+        return scatter_unless_fenced
 
     async def _release_on_holder(self, req: LoadRequest) -> None:
         await release_lease(

@@ -36,6 +36,7 @@ from ..aio import BackgroundLoop
 from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
 from ..tracker_mirror import TrackerMirror
 from ..wire import LoadRequest, PrefixHit, ReplicaIdentity, StageItem
+from .fast_path import SyncLoadPolicy
 from .reservations import (
     PendingReservation,
     QueryPrefix,
@@ -65,6 +66,10 @@ class SchedulerSettings:
     # millisecond or two (then the load is planned in this very pass); a stopped
     # one must not hold up every other request of the replica.
     reply_wait_s: float = 0.005
+    # GPU-first only: which hits load synchronously, within a hard bound (None:
+    # every hit loads asynchronously). CPU-only deployments load every hit
+    # synchronously, with the whole load deadline.
+    sync_loads: SyncLoadPolicy | None = None
 
 
 @dataclass(slots=True)
@@ -100,6 +105,11 @@ class _RequestState:
     asked_at_pass: int = 0
     passes_waited: int | None = None
     round_trips: int = 0
+    # How vLLM was told the request's hit loads: asynchronously, or synchronously
+    # within ``answered_bound_s`` (None: the whole load deadline)
+    answered_async: bool = False
+    answered_bound_s: float | None = None
+    load_holder_address: str | None = None
 
 
 class SchedulerSide:
@@ -132,6 +142,8 @@ class SchedulerSide:
             "misses_peer_error": 0,
             "misses_incompatible": 0,
             "loads_failed": 0,
+            "sync_answers": 0,  # hits answered (n, False) in a GPU-first deployment
+            "sync_loads_failed": 0,
             "staged_blocks": 0,
         }
         self._reservations = Reservations(
@@ -202,7 +214,7 @@ class SchedulerSide:
         standing = state.reservation
         if standing is not None:
             if standing.first_block == local_blocks:
-                return self._answer(standing)
+                return self._answer(state, standing)
             self._drop_reservation(state)
         pending = state.pending
         if pending is not None:
@@ -226,9 +238,23 @@ class SchedulerSide:
             self.stats["deferred"] += 1
         return answer
 
-    def _answer(self, reservation: Reservation) -> tuple[int, bool]:
+    def _answer(
+        self, state: _RequestState, reservation: Reservation
+    ) -> tuple[int, bool]:
         tokens = len(reservation.grant.keys) * self._settings.block_size
-        return tokens, self._settings.load_async
+        bound = None
+        policy = self._settings.sync_loads
+        if self._settings.load_async and policy is not None and self._identity:
+            bound = policy.bound_s(
+                reservation.holder.address,
+                reservation.grant.tiers,
+                len(reservation.grant.keys) * self._identity.geometry.block_nbytes,
+            )
+        state.answered_async = self._settings.load_async and bound is None
+        state.answered_bound_s = bound
+        if bound is not None:
+            self.stats["sync_answers"] += 1
+        return tokens, state.answered_async
 
     def _settle(
         self, state: _RequestState, pending: PendingReservation
@@ -242,7 +268,7 @@ class SchedulerSide:
         if reservation is None:
             return 0, False
         state.reservation = reservation
-        return self._answer(reservation)
+        return self._answer(state, reservation)
 
     # ---- allocation -> load -----------------------------------------------------
 
@@ -293,7 +319,9 @@ class SchedulerSide:
             )
             self._reservations.release_soon(reservation.holder, grant.lease_id)
             failed = tuple(b for b in destinations if b is not None)
-            self._new_loads.append(RequestLoad(req_id, None, failed))
+            self._new_loads.append(
+                RequestLoad(req_id, None, failed, asynchronous=state.answered_async)
+            )
             return
         load = LoadRequest(
             load_id=grant.lease_id,
@@ -303,8 +331,16 @@ class SchedulerSide:
         )
         # From here on the lease belongs to the load: the transfer actor releases
         # it when the load ends (or is cancelled), never while writes are running.
-        self._new_loads.append(RequestLoad(req_id, load))
+        self._new_loads.append(
+            RequestLoad(
+                req_id,
+                load,
+                asynchronous=state.answered_async,
+                bound_s=state.answered_bound_s,
+            )
+        )
         state.loaded_into = load.dst_block_ids
+        state.load_holder_address = load.holder_address
         state.holder_rank = grant.holder_rank
         state.staged_upto = max(state.staged_upto, first + num_blocks)
 
@@ -324,12 +360,16 @@ class SchedulerSide:
         them and stops waiting for an asynchronous load."""
         self.drop_reservation(req_id)
         state = self._requests.get(req_id)
+        asynchronous = self._settings.load_async
         if state is not None:
             state.load_attempted = True
             state.load_first, state.load_blocks = 0, tuple(block_ids)
+            asynchronous = state.answered_async
         self._new_loads = [item for item in self._new_loads if item.req_id != req_id]
         failed = tuple(b for b in block_ids if b is not None)
-        self._new_loads.append(RequestLoad(req_id, None, failed))
+        self._new_loads.append(
+            RequestLoad(req_id, None, failed, asynchronous=asynchronous)
+        )
 
     def loads_failed(self, block_ids: set[int]) -> None:
         """The worker reported ``block_ids`` as not loaded (vLLM recomputes them):
@@ -353,6 +393,13 @@ class SchedulerSide:
             if state.loaded_into:
                 self.stats["loads_failed"] += 1
                 state.loaded_into = ()
+                policy = self._settings.sync_loads
+                if state.answered_bound_s is not None and policy is not None:
+                    # past its bound, or failed: its holder's next hits go the
+                    # asynchronous way for a while
+                    self.stats["sync_loads_failed"] += 1
+                    if state.load_holder_address is not None:
+                        policy.missed(state.load_holder_address)
             state.load_blocks = ()
             state.staged_upto = min(state.staged_upto, failed_at)
 
@@ -377,7 +424,14 @@ class SchedulerSide:
                 PrefixHit(item.load.grant.holder_rank, item.load.holder_address, 0),
                 item.load.grant.lease_id,
             )
-            failed.append(RequestLoad(item.req_id, None, item.load.dst_block_ids))
+            failed.append(
+                RequestLoad(
+                    item.req_id,
+                    None,
+                    item.load.dst_block_ids,
+                    asynchronous=item.asynchronous,
+                )
+            )
             self.loads_failed(set(item.load.dst_block_ids))
         self._new_loads = []
         return StepMetadata(loads=tuple(failed), load_async=self._settings.load_async)
@@ -397,9 +451,11 @@ class SchedulerSide:
         block_size = self._settings.block_size
         loads, self._new_loads = tuple(self._new_loads), []
         # a synchronous load fills its blocks before this step's forward
-        loading_now = (
-            {} if self._settings.load_async else {item.req_id: item for item in loads}
-        )
+        loading_now = {
+            item.req_id: item
+            for item in loads
+            if not item.is_async(self._settings.load_async)
+        }
         stage: list[StageItem] = []
         conditional: list[StageAfterLoad] = []
         for item in scheduled:

@@ -47,6 +47,7 @@ from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
 from .engine_time import EngineTime, timed
+from .fast_path import SyncLoadPolicy, address_host, fast_path_enabled
 from .faults import ConnectorFaults
 from .scheduler import SchedulerSettings, SchedulerSide
 from .step import StepMetadata
@@ -159,6 +160,10 @@ class XavierConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,
+                sync_loads=SyncLoadPolicy(
+                    enabled=fast_path_enabled(),
+                    host=address_host(options.transfer_address),
+                ),
             )
             mirror = TrackerMirror(
                 self._mirror_changes, rpc_timeout_s=options.rpc_timeout_s
