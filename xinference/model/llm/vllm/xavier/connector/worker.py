@@ -62,9 +62,9 @@ class WorkerSettings:
     staging_ring_bytes: int = 64 * 1024**2
 
 
-# Of a synchronous load's bound, what the engine allows for the reply of the
-# actor's bounded wait (the actor itself gives up this much earlier).
-REPLY_ALLOWANCE_S = 0.002
+# Beyond a synchronous load's bound (the actor's wait for the data), how long the
+# engine waits for the actor's reply before it fences the load itself.
+REPLY_ALLOWANCE_S = 0.005
 
 
 @dataclass(slots=True)
@@ -316,15 +316,17 @@ class WorkerSide:
 
         async def load_one(item: RequestLoad) -> None:
             assert item.load is not None and item.bound_s is not None
-            wait_s = max(item.bound_s - REPLY_ALLOWANCE_S, item.bound_s / 2)
             try:
-                result: LoadResult = await self._actor.load_now(item.load, wait_s)
+                result: LoadResult = await self._actor.load_now(item.load, item.bound_s)
             except Exception as exc:
                 self._load_ended(item.load.load_id, f"bounded load failed: {exc!r}")
                 return
             self._load_ended(item.load.load_id, result)
 
-        self._run_actor(asyncio.gather(*(load_one(item) for item in items)), bound_s)
+        async def load_all() -> None:
+            await asyncio.gather(*(load_one(item) for item in items))
+
+        self._run_actor(load_all(), bound_s + REPLY_ALLOWANCE_S)
         late = [
             item.load.load_id
             for item in items
