@@ -21,7 +21,8 @@ TTFT is the wall time of ``LLM.generate(max_tokens=1)`` inside B's process
 Each remote hit also reports, from the connector (``kv_transfer_params``):
 
   passes       engine passes from vLLM's first question about the request to its
-               first forward (0: scheduled in the pass that looked it up)
+               first forward (0: scheduled in the pass that looked it up); the
+               JSON also lists how many of them waited for a late grant
   round trips  actor calls on that path: the tracker (when its mirror was not
                ready), the reservation on the holder, the loader's calls on its
                own transfer actor (start, waits, polls) and that actor's calls on
@@ -152,6 +153,7 @@ def measure_length(
 ) -> dict[str, Any]:
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     passes: list[int] = []
+    deferred: list[int] = []
     round_trips: list[int] = []
     loaded: list[int] = []
     mismatches = 0
@@ -185,6 +187,7 @@ def measure_length(
         times["remote"].append(remote_s)
         loaded.append(xavier_external_tokens(completion))
         passes.append(int(params["xavier_passes_waited"]))
+        deferred.append(int(params.get("xavier_passes_deferred", 0)))
         round_trips.append(int(params["xavier_round_trips"]))
         mismatches += completion.token_ids != reference.token_ids
     row: dict[str, Any] = {"prompt_tokens": length}
@@ -197,6 +200,7 @@ def measure_length(
     row["loaded_tokens"] = statistics.median(loaded) if loaded else 0
     row["passes"] = statistics.median(passes) if passes else float("nan")
     row["passes_all"] = passes
+    row["deferred_all"] = deferred  # passes the holder's grant was late for
     row["round_trips"] = statistics.median(round_trips) if round_trips else float("nan")
     row["round_trips_all"] = round_trips
     row["output_mismatches"] = mismatches

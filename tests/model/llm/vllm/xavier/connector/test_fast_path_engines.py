@@ -88,9 +88,11 @@ def test_a_bounded_hit_loads_in_the_lookup_pass_with_exact_outputs(replicas):
     (local,) = b.generate([prompt], MAX_TOKENS)  # now B's own prefix hit
     assert xavier_external_tokens(local) == 0
     assert local.token_ids == output
-    # Scheduled in the pass that looked it up; its round trips: the reservation
-    # and the one load_now call (the release is not on the path any more).
-    assert params["xavier_passes_waited"] == 0, params
+    # Scheduled in the pass that looked it up (or, on a host so loaded that the
+    # holder missed the scheduler's 5 ms wait, in the pass its grant arrived);
+    # its round trips: the reservation and the one load_now call (the release is
+    # not on the path any more).
+    assert params["xavier_passes_waited"] == params["xavier_passes_deferred"], params
     assert params["xavier_round_trips"] == 2, params
     stats = cluster.stats(1).actor
     assert stats.loads_ok >= 2 and stats.loads_past_bound == 0

@@ -451,6 +451,7 @@ def test_allocation_turns_the_reservation_into_a_load(loop, tracker):
         "xavier_external_tokens": 2 * BS,
         "xavier_holder_rank": HOLDER,
         "xavier_passes_waited": 0,
+        "xavier_passes_deferred": 0,
         "xavier_round_trips": 2 + 3,
     }
     side.flush(2)

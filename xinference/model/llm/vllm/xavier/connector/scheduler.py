@@ -104,6 +104,7 @@ class _RequestState:
     # until its first forward, and the round trips to actors on that path.
     asked_at_pass: int = 0
     passes_waited: int | None = None
+    passes_deferred: int = 0  # of those, answered "ask again" (holder slow)
     round_trips: int = 0
     # How vLLM was told the request's hit loads: asynchronously, or synchronously
     # within ``answered_bound_s`` (None: the whole load deadline)
@@ -262,6 +263,7 @@ class SchedulerSide:
         """What to tell vLLM about ``pending``: ask again while it is unanswered,
         else the hit it became (standing in ``state.reservation``) or a miss."""
         if not self._reservations.ready(pending):
+            state.passes_deferred += 1
             return None, False
         state.pending = None
         reservation = self._reservations.take(pending)
@@ -532,6 +534,7 @@ class SchedulerSide:
             # counted, for benchmarks: passes from vLLM's first question to the
             # request's first forward, and actor round trips on that path
             "xavier_passes_waited": state.passes_waited,
+            "xavier_passes_deferred": state.passes_deferred,
             "xavier_round_trips": state.round_trips,
         }
 
