@@ -82,8 +82,8 @@ def worker_with(loop: BackgroundLoop, actor: InProcessActor) -> WorkerSide:
     return worker
 
 
-def bounded(req_id: str, load: Any) -> RequestLoad:
-    return RequestLoad(req_id, load, asynchronous=False, bound_s=BOUND_S)
+def bounded(req_id: str, load: Any, bound_s: float) -> RequestLoad:
+    return RequestLoad(req_id, load, asynchronous=False, bound_s=bound_s)
 
 
 def blocks_of(target: Any, blocks: Sequence[int]) -> list[torch.Tensor]:
@@ -103,8 +103,9 @@ def test_a_stalled_holder_costs_the_step_its_bound_and_only_its_own_blocks(loop)
     before = blocks_of(target, [10, 11])
     step = StepMetadata(
         loads=(
-            bounded("stuck", request(stalled, [10, 11], "load-stuck")),
-            bounded("fine", request(good, [20, 21], "load-fine")),
+            bounded("stuck", request(stalled, [10, 11], "load-stuck"), BOUND_S),
+            # generous, so that a loaded CI host cannot make it miss
+            bounded("fine", request(good, [20, 21], "load-fine"), 2.0),
         ),
         load_async=True,
     )
@@ -132,3 +133,28 @@ def test_a_stalled_holder_costs_the_step_its_bound_and_only_its_own_blocks(loop)
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
+
+
+def test_a_bounded_load_whose_call_failed_is_fenced_and_recomputed(loop):
+    """The call may fail after the actor started the load: the worker fences it
+    before it reports the blocks failed (a refused start is fenced harmlessly)."""
+    holder, published = loop.run(staged_holder(2, device_slots=2), 30)
+    transport = StallingTransport()
+    runner, _, _ = runner_for(holder, transport)
+    actor = InProcessActor(runner)
+    worker = worker_with(loop, actor)
+    identity = holder.engine.identity()
+    transport.stalled_lease = "lease-busy"
+    busy = holder.leases.grant(published, "lease-busy", identity)
+    loop.run(runner.start(request(busy, [4, 5], "load-busy")), 5)  # blocks 4, 5
+    again = holder.leases.grant(published, "lease-again", identity)
+    worker.start_load_kv(
+        StepMetadata(
+            loads=(bounded("again", request(again, [5, 6], "load-again"), 2.0),),
+            load_async=True,
+        )
+    )
+    assert actor.calls == ["load_now", "fence_load"]
+    assert worker.get_block_ids_with_load_errors() == {5, 6}
+    assert worker.get_finished(set()) == (None, None)
+    loop.run(_set(transport.go_on), 5)

@@ -319,7 +319,10 @@ class WorkerSide:
             try:
                 result: LoadResult = await self._actor.load_now(item.load, item.bound_s)
             except Exception as exc:
-                self._load_ended(item.load.load_id, f"bounded load failed: {exc!r}")
+                # It may have started before the call failed: fenced below.
+                logger.warning(
+                    "Xavier: bounded load %s failed: %r", item.load.load_id, exc
+                )
                 return
             self._load_ended(item.load.load_id, result)
 
@@ -335,7 +338,7 @@ class WorkerSide:
         if late:
             self._run_actor(self._fence_all(late), self._settings.rpc_timeout_s)
             for load_id in late:
-                self._load_ended(load_id, "no reply within the synchronous bound")
+                self._load_ended(load_id, "no result within the synchronous bound")
 
     async def _fence_all(self, load_ids: Sequence[str]) -> None:
         async def fence(load_id: str) -> None:
