@@ -3,9 +3,11 @@ blocks, in the background.
 
 A load owns its destination blocks and the holder's lease from ``start`` until every
 write into this replica's memory has finished; only then are the blocks free for
-another load and the lease released, whether the load succeeded, failed or was
-cancelled. Cancellation is therefore cooperative: it is noticed between chunks,
-never by abandoning a write in flight.
+another load, its result recorded and the lease released (unawaited: the result does
+not wait for the holder), whether the load succeeded, failed or was cancelled.
+Cancellation is therefore cooperative: it is noticed between chunks, never by
+abandoning a write in flight. A synchronous load past its bound is fenced instead
+(``fence``): no write of it lands any more, and its caller reports it failed at once.
 
 Device-tier snapshots move through the device-tier transport, CPU-tier snapshots
 through ``transports.cpu_tier``, both at once; each chunk is scattered into the
