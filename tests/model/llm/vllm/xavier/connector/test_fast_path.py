@@ -43,7 +43,17 @@ class DeviceHolder(Holder):
 
 
 def policy(**overrides: Any) -> SyncLoadPolicy:
-    return SyncLoadPolicy(**{"enabled": True, "host": "holder", **overrides})
+    rule = SyncLoadPolicy(**{"enabled": True, "host": "holder", **overrides})
+    for port in ("", ":1", ":2", ":1234"):
+        rule.met(f"nixl://holder{port}")
+    return rule
+
+
+def test_the_first_load_from_a_holder_is_asynchronous():
+    rule = SyncLoadPolicy(enabled=True, host="holder")
+    assert rule.bound_s("nixl://holder:9", (DEVICE_TIER,), 1000) is None
+    rule.met("nixl://holder:9")
+    assert rule.bound_s("nixl://holder:9", (DEVICE_TIER,), 1000) is not None
 
 
 def fast_side(loop, tracker, holder, sync_loads: SyncLoadPolicy) -> SchedulerSide:

@@ -58,6 +58,9 @@ class SyncLoadPolicy:
     backoff_s: float = 30.0
     # holder address -> monotonic time until which its hits load asynchronously
     _backed_off: dict[str, float] = field(default_factory=dict)
+    # holders a load already succeeded from: the first load from a peer also
+    # meets it (endpoint, connection), far slower than any bound, so it is async
+    _met: set[str] = field(default_factory=set)
 
     def bound_s(
         self, holder_address: str, tiers: Sequence[str], nbytes: int
@@ -70,6 +73,8 @@ class SyncLoadPolicy:
             return None
         if address_host(holder_address) != self.host:
             return None
+        if holder_address not in self._met:
+            return None
         until = self._backed_off.get(holder_address)
         if until is not None:
             if time.monotonic() < until:
@@ -77,6 +82,10 @@ class SyncLoadPolicy:
             del self._backed_off[holder_address]
         bound = self.base_s + nbytes / self.bytes_per_s
         return bound if bound <= self.max_s else None
+
+    def met(self, holder_address: str) -> None:
+        """A load from ``holder_address`` succeeded: its peer is set up."""
+        self._met.add(holder_address)
 
     def missed(self, holder_address: str) -> None:
         """A synchronous load from ``holder_address`` failed or ran past its bound."""

@@ -527,6 +527,9 @@ class SchedulerSide:
         self._drop_reservation(state)
         if not state.loaded_into:
             return None
+        policy = self._settings.sync_loads
+        if policy is not None and state.load_holder_address is not None:
+            policy.met(state.load_holder_address)  # its load was not failed
         return {
             "xavier_external_tokens": len(state.loaded_into)
             * self._settings.block_size,
