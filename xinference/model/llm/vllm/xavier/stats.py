@@ -85,6 +85,7 @@ class ActorCounters:
     loads_ok: int = 0
     loads_failed: int = 0
     loads_cancelled: int = 0
+    loads_past_bound: int = 0  # synchronous loads fenced at their bound
     device_tier_blocks_loaded: int = 0
     cpu_tier_blocks_loaded: int = 0
     cpu_rows_served: int = 0

@@ -144,6 +144,9 @@ class LoadResult:
     ok: bool
     num_blocks: int
     error: str | None = None
+    # calls the loading actor made on the holder before recording this result:
+    # round trips on the load's critical path (benchmarks count them)
+    round_trips: int = 0
 
 
 @dataclass(frozen=True, slots=True)

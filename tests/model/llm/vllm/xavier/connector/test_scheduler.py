@@ -480,9 +480,15 @@ def test_allocation_turns_the_reservation_into_a_load(loop, tracker):
     assert [(s.key, s.block_id) for s in step.items_to_stage(set())] == [(keys[3], 10)]
     assert step.items_to_stage({9}) == []
     # The lease now belongs to the load: finishing the request does not release it.
+    # Counted: scheduled in the pass that looked it up; the tracker (no mirror
+    # here) and the holder asked once each, plus what the worker reported.
+    side.record_load_round_trips({"r": 3, "other": 5})
     assert side.request_finished("r") == {
         "xavier_external_tokens": 2 * BS,
         "xavier_holder_rank": HOLDER,
+        "xavier_passes_waited": 0,
+        "xavier_passes_deferred": 0,
+        "xavier_round_trips": 2 + 3,
     }
     side.flush(2)
     assert holder.released == []

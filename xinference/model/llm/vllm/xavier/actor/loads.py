@@ -3,9 +3,11 @@ blocks, in the background.
 
 A load owns its destination blocks and the holder's lease from ``start`` until every
 write into this replica's memory has finished; only then are the blocks free for
-another load and the lease released, whether the load succeeded, failed or was
-cancelled. Cancellation is therefore cooperative: it is noticed between chunks,
-never by abandoning a write in flight.
+another load, its result recorded and the lease released (unawaited: the result does
+not wait for the holder), whether the load succeeded, failed or was cancelled.
+Cancellation is therefore cooperative: it is noticed between chunks, never by
+abandoning a write in flight. A synchronous load past its bound is fenced instead
+(``fence``): no write of it lands any more, and its caller reports it failed at once.
 
 Device-tier snapshots move through the device-tier transport, CPU-tier snapshots
 through ``transports.cpu_tier``, both at once; each chunk is scattered into the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +59,27 @@ class HolderLink(Protocol):
 
 # (holder address, holder rank) -> the link to that holder
 HolderLinks = Callable[[str, int], Awaitable[HolderLink]]
+
+
+class _CountingHolder:
+    """A holder link that counts the calls a load makes on it: each is a round
+    trip on that load's critical path (``LoadResult.round_trips``)."""
+
+    def __init__(self, holder: HolderLink, load: _Load) -> None:
+        self._holder = holder
+        self._load = load
+
+    async def transport_call(self, op: str, *args: Any) -> Any:
+        self._load.round_trips += 1
+        return await self._holder.transport_call(op, *args)
+
+    async def read_cpu_rows(self, lease_id: str, keys: list[BlockHash]) -> CpuRowsReply:
+        self._load.round_trips += 1
+        return await self._holder.read_cpu_rows(lease_id, keys)
+
+    async def release(self, lease_id: str) -> None:
+        self._load.round_trips += 1
+        await self._holder.release(lease_id)
 
 
 class LoadCancelled(Exception):
@@ -107,6 +131,14 @@ class _Load:
     task: asyncio.Task[None] | None = None
     cancel_requested: bool = False
     started: float = field(default_factory=time.perf_counter)
+    # calls on the holder before the result was recorded (critical-path round trips)
+    round_trips: int = 0
+    # its caller stopped waiting and reported its blocks failed (``fence``): no
+    # write may land any more, and its result is nobody's
+    fenced: bool = False
+    # held by each scatter, from its cancel check to the end of its write (a
+    # transport may scatter from a worker thread): ``fence`` takes it once
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class LoadRunner:
@@ -139,14 +171,18 @@ class LoadRunner:
         self._results: dict[str, LoadResult] = {}
         # engine block id -> id of the load that is writing it
         self._busy_blocks: dict[int, str] = {}
+        # lease releases sent after their load's result was recorded
+        self._releases: set[asyncio.Task[None]] = set()
 
     @property
     def in_flight(self) -> int:
         return len(self._loads)
 
     def tasks(self) -> list[asyncio.Task[None]]:
-        """The tasks of the loads in progress (to drain them at shutdown)."""
-        return [load.task for load in self._loads.values() if load.task is not None]
+        """The tasks of the loads in progress and of the lease releases still
+        being sent (to drain them at shutdown)."""
+        tasks = [load.task for load in self._loads.values() if load.task is not None]
+        return tasks + list(self._releases)
 
     async def start(self, req: LoadRequest) -> None:
         """Start a load; returns at once. A refused request (clear errors, raised
@@ -174,6 +210,66 @@ class LoadRunner:
             raise KeyError(
                 f"no load {load_id!r} to wait for (or already collected)"
             ) from None
+
+    async def wait_bounded(self, load_id: str, wait_s: float) -> LoadResult:
+        """Wait at most ``wait_s`` for a load to end and collect its result; past
+        that, fence the load (``fence``) and answer that it failed, so the caller
+        can report its blocks to vLLM at once (the synchronous path's bound)."""
+        load = self._loads.get(load_id)
+        if load is not None and load.task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(load.task), wait_s)
+            except TimeoutError:
+                await self.fence(load_id)
+                self._counters.loads_past_bound += 1
+                return LoadResult(
+                    load_id,
+                    ok=False,
+                    num_blocks=len(load.request.grant.keys),
+                    error=f"no result within its bound of {wait_s * 1e3:.1f} ms",
+                    round_trips=load.round_trips,
+                )
+        return self._results.pop(load_id)
+
+    async def fence(self, load_id: str) -> None:
+        """From the return of this call on, no write of the load lands in its
+        engine blocks, without waiting for its holder; its result is dropped
+        (the caller reports the blocks as failed, vLLM recomputes them).
+
+        Every scatter runs on this loop and checks the cancel flag first, so once
+        the flag is set and the copies already queued are complete, nothing more
+        is written. A READ a transport placed straight in the engine blocks is
+        waited for: the transports place one there only where the READ ends
+        without the holder's help (``engine_reads_are_bounded``). The load keeps
+        its blocks busy (another load into them is refused) and its lease until
+        it ends on its own.
+        """
+        load = self._loads.get(load_id)
+        if load is None:
+            self._results.pop(load_id, None)  # it ended: nobody collects it
+            return
+        load.cancel_requested = True
+        load.fenced = True
+        if self._may_read_into_engine(load):
+            assert load.task is not None
+            await asyncio.shield(load.task)
+            return
+        # A scatter in progress (only possible from another thread: this loop is
+        # here) ends first; every later one sees the cancel flag and writes nothing.
+        if not load.write_lock.acquire(blocking=False):
+            await asyncio.to_thread(load.write_lock.acquire)
+        load.write_lock.release()
+        await settle(load.written)
+
+    def _may_read_into_engine(self, load: _Load) -> bool:
+        places = getattr(self._transport, "places_in_engine", None)
+        grant = load.request.grant
+        if places is None or DEVICE_TIER not in grant.tiers:
+            return False
+        hint = grant.transport_hint
+        if hint is None or not isinstance(hint.shared, tuple) or not hint.shared:
+            return True  # cannot tell which peer: assume it may
+        return bool(places(hint.shared[0]))
 
     def finished(self) -> list[LoadResult]:
         """Results of the loads that ended since the last call (each reported once)."""
@@ -244,12 +340,22 @@ class LoadRunner:
             error = error or exc
         # Every write into our memory has finished here: the transports return only
         # once the holder can no longer write, and the scatters were waited for.
-        await self._release_on_holder(req)
         for block_id in req.dst_block_ids:
             if self._busy_blocks.get(block_id) == req.load_id:
                 del self._busy_blocks[block_id]
         del self._loads[req.load_id]
-        self._results[req.load_id] = self._result(load, error)
+        if isinstance(error, asyncio.CancelledError):
+            # the pool is shutting down: no later task would run
+            await self._release_on_holder(req)
+        result = self._result(load, error)
+        if not load.fenced:
+            self._results[req.load_id] = result
+        if not isinstance(error, asyncio.CancelledError):
+            # The result does not wait for the release: nothing of ours depends
+            # on it, and the holder's snapshot stays pinned a little longer only.
+            release = asyncio.create_task(self._release_on_holder(req))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
         if isinstance(error, asyncio.CancelledError):
             raise error  # the actor pool is shutting down; cleanup is done
 
@@ -259,7 +365,12 @@ class LoadRunner:
         if error is None:
             self._counters.loads_ok += 1
             self._latency.record(time.perf_counter() - load.started)
-            return LoadResult(req.load_id, ok=True, num_blocks=num_blocks)
+            return LoadResult(
+                req.load_id,
+                ok=True,
+                num_blocks=num_blocks,
+                round_trips=load.round_trips,
+            )
         if isinstance(error, LoadCancelled):
             self._counters.loads_cancelled += 1
         else:
@@ -277,6 +388,7 @@ class LoadRunner:
             ok=False,
             num_blocks=num_blocks,
             error=f"{type(error).__name__}: {error}",
+            round_trips=load.round_trips,
         )
 
     async def _transfer(self, load: _Load) -> None:
@@ -284,7 +396,9 @@ class LoadRunner:
         grant = req.grant
         if load.cancel_requested:
             raise LoadCancelled(f"load {req.load_id!r} was cancelled")
-        holder = await self._holders(req.holder_address, grant.holder_rank)
+        holder = _CountingHolder(
+            await self._holders(req.holder_address, grant.holder_rank), load
+        )
         # tier -> (positions in the grant, keys, destination blocks)
         by_tier: dict[str, tuple[list[int], list[BlockHash], list[int]]] = {
             DEVICE_TIER: ([], [], []),
@@ -342,7 +456,7 @@ class LoadRunner:
         self._counters.device_tier_blocks_loaded += len(device_keys)
         self._counters.cpu_tier_blocks_loaded += len(cpu_keys)
 
-    def _holder_call(self, holder: HolderLink) -> Callable[..., Awaitable[Any]]:
+    def _holder_call(self, holder: _CountingHolder) -> Callable[..., Awaitable[Any]]:
         async def call(op: str, *args: Any) -> Any:
             return await with_deadline(
                 holder.transport_call(op, *args), self._rpc_timeout_s
@@ -357,13 +471,19 @@ class LoadRunner:
             if load.cancel_requested:
                 raise LoadCancelled(f"load {load.request.load_id!r} was cancelled")
 
-        return row_scatter(
+        scatter = row_scatter(
             self._cache,
             dst_blocks,
             load.written,
             complete_each_chunk=complete_each_chunk,
             check=check,
         )
+
+        def scatter_unless_fenced(first_row: int, rows: torch.Tensor) -> None:
+            with load.write_lock:
+                scatter(first_row, rows)
+
+        return scatter_unless_fenced
 
     async def _release_on_holder(self, req: LoadRequest) -> None:
         await release_lease(

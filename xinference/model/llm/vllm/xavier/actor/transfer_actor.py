@@ -457,6 +457,19 @@ class XavierTransferActor(xo.StatelessActor):
             return  # it ended before the actor closed
         await self._require_mapped().loads.cancel(load_id)
 
+    async def load_now(self, req: LoadRequest, wait_s: float) -> LoadResult:
+        """The synchronous fast path in one call: start a load (as ``start_load``)
+        and wait at most ``wait_s`` for its result; past that the load is fenced
+        (no write of it lands any more) and reported failed."""
+        await self.start_load(req)
+        return await self._require_mapped().loads.wait_bounded(req.load_id, wait_s)
+
+    async def fence_load(self, load_id: str) -> None:
+        """Make sure no write of a load lands any more, without waiting for its
+        holder; its result is dropped (the caller reports its blocks failed)."""
+        if self._mapped is not None:
+            await self._mapped.loads.fence(load_id)
+
     async def _holder(self, address: str, rank: int) -> HolderLink:
         uid = transfer_actor_uid(self._config.model_uid, rank)
         ref: HolderLink = await self._deadline(self._holder_refs.get(address, uid))

@@ -36,6 +36,7 @@ from ..aio import BackgroundLoop
 from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
 from ..tracker_mirror import TrackerMirror
 from ..wire import LoadRequest, PrefixHit, ReplicaIdentity, StageItem
+from .fast_path import SyncLoadPolicy
 from .reservations import (
     PendingReservation,
     QueryPrefix,
@@ -67,6 +68,10 @@ class SchedulerSettings:
     reply_wait_s: float = 0.005
     # False: routing only (``XavierConfig.remote_loads``): look nothing up.
     remote_loads: bool = True
+    # GPU-first only: which hits load synchronously, within a hard bound (None:
+    # every hit loads asynchronously). CPU-only deployments load every hit
+    # synchronously, with the whole load deadline.
+    sync_loads: SyncLoadPolicy | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +101,18 @@ class _RequestState:
     # A load was planned (or failed to be): the request never gets a second one,
     # so a load that keeps failing cannot make vLLM retry it forever.
     load_attempted: bool = False
+    # Counted for benchmarks (reported with the request's output): the engine
+    # pass in which vLLM first asked about the request, the passes from there
+    # until its first forward, and the round trips to actors on that path.
+    asked_at_pass: int = 0
+    passes_waited: int | None = None
+    passes_deferred: int = 0  # of those, answered "ask again" (holder slow)
+    round_trips: int = 0
+    # How vLLM was told the request's hit loads: asynchronously, or synchronously
+    # within ``answered_bound_s`` (None: the whole load deadline)
+    answered_async: bool = False
+    answered_bound_s: float | None = None
+    load_holder_address: str | None = None
 
 
 class SchedulerSide:
@@ -116,6 +133,7 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         # loads decided since the last step was built
         self._new_loads: list[RequestLoad] = []
+        self._passes = 0  # steps built so far: one per pass of vLLM's scheduler
         # counters for logs and tests
         self.stats: dict[str, int] = {
             "lookups": 0,
@@ -127,6 +145,8 @@ class SchedulerSide:
             "misses_peer_error": 0,
             "misses_incompatible": 0,
             "loads_failed": 0,
+            "sync_answers": 0,  # hits answered (n, False) in a GPU-first deployment
+            "sync_loads_failed": 0,
             "staged_blocks": 0,
         }
         self._reservations = Reservations(
@@ -198,7 +218,7 @@ class SchedulerSide:
         standing = state.reservation
         if standing is not None:
             if standing.first_block == local_blocks:
-                return self._answer(standing)
+                return self._answer(state, standing)
             self._drop_reservation(state)
         pending = state.pending
         if pending is not None:
@@ -207,20 +227,38 @@ class SchedulerSide:
             self._drop_reservation(state)
 
         self.stats["lookups"] += 1
+        mirror_lookups = self.stats["mirror_lookups"]
         pending = self._reservations.start(
             req_id, state.keys[:lookup_blocks], local_blocks, self._identity
         )
+        if self.stats["mirror_lookups"] == mirror_lookups:
+            state.round_trips += 1  # the mirror was not ready: the tracker was asked
         if pending is None:
             return 0, False
+        state.round_trips += 1  # the reservation on the holder
         state.pending = pending
         answer = self._settle(state, pending)
         if answer[0] is None:
             self.stats["deferred"] += 1
         return answer
 
-    def _answer(self, reservation: Reservation) -> tuple[int, bool]:
+    def _answer(
+        self, state: _RequestState, reservation: Reservation
+    ) -> tuple[int, bool]:
         tokens = len(reservation.grant.keys) * self._settings.block_size
-        return tokens, self._settings.load_async
+        bound = None
+        policy = self._settings.sync_loads
+        if self._settings.load_async and policy is not None and self._identity:
+            bound = policy.bound_s(
+                reservation.holder.address,
+                reservation.grant.tiers,
+                len(reservation.grant.keys) * self._identity.geometry.block_nbytes,
+            )
+        state.answered_async = self._settings.load_async and bound is None
+        state.answered_bound_s = bound
+        if bound is not None:
+            self.stats["sync_answers"] += 1
+        return tokens, state.answered_async
 
     def _settle(
         self, state: _RequestState, pending: PendingReservation
@@ -228,13 +266,14 @@ class SchedulerSide:
         """What to tell vLLM about ``pending``: ask again while it is unanswered,
         else the hit it became (standing in ``state.reservation``) or a miss."""
         if not self._reservations.ready(pending):
+            state.passes_deferred += 1
             return None, False
         state.pending = None
         reservation = self._reservations.take(pending)
         if reservation is None:
             return 0, False
         state.reservation = reservation
-        return self._answer(reservation)
+        return self._answer(state, reservation)
 
     # ---- allocation -> load -----------------------------------------------------
 
@@ -285,7 +324,9 @@ class SchedulerSide:
             )
             self._reservations.release_soon(reservation.holder, grant.lease_id)
             failed = tuple(b for b in destinations if b is not None)
-            self._new_loads.append(RequestLoad(req_id, None, failed))
+            self._new_loads.append(
+                RequestLoad(req_id, None, failed, asynchronous=state.answered_async)
+            )
             return
         load = LoadRequest(
             load_id=grant.lease_id,
@@ -295,12 +336,25 @@ class SchedulerSide:
         )
         # From here on the lease belongs to the load: the transfer actor releases
         # it when the load ends (or is cancelled), never while writes are running.
-        self._new_loads.append(RequestLoad(req_id, load))
+        self._new_loads.append(
+            RequestLoad(
+                req_id,
+                load,
+                asynchronous=state.answered_async,
+                bound_s=state.answered_bound_s,
+            )
+        )
         state.loaded_into = load.dst_block_ids
+        state.load_holder_address = load.holder_address
         state.holder_rank = grant.holder_rank
         state.staged_upto = max(state.staged_upto, first + num_blocks)
 
     # ---- recovery from a fault in the connector ---------------------------------
+
+    def answered_async(self, req_id: str) -> bool | None:
+        """Whether vLLM was told ``req_id`` loads asynchronously (None: unknown)."""
+        state = self._requests.get(req_id)
+        return None if state is None else state.answered_async
 
     def drop_reservation(self, req_id: str) -> None:
         """Let go of ``req_id``'s standing reservation, if any (the lookup that
@@ -315,12 +369,16 @@ class SchedulerSide:
         report ``block_ids`` (the request's blocks) as failed, so vLLM recomputes
         them and stops waiting for an asynchronous load."""
         state = self._requests.get(req_id)
+        asynchronous = self._settings.load_async
         if state is not None:
             state.load_attempted = True
             state.load_first, state.load_blocks = 0, tuple(block_ids)
+            asynchronous = state.answered_async
         self._new_loads = [item for item in self._new_loads if item.req_id != req_id]
         failed = tuple(b for b in block_ids if b is not None)
-        self._new_loads.append(RequestLoad(req_id, None, failed))
+        self._new_loads.append(
+            RequestLoad(req_id, None, failed, asynchronous=asynchronous)
+        )
         # Last: a release that fails must not keep the blocks from being reported.
         self.drop_reservation(req_id)
 
@@ -346,8 +404,23 @@ class SchedulerSide:
             if state.loaded_into:
                 self.stats["loads_failed"] += 1
                 state.loaded_into = ()
+                policy = self._settings.sync_loads
+                if state.answered_bound_s is not None and policy is not None:
+                    # past its bound, or failed: its holder's next hits go the
+                    # asynchronous way for a while
+                    self.stats["sync_loads_failed"] += 1
+                    if state.load_holder_address is not None:
+                        policy.missed(state.load_holder_address)
             state.load_blocks = ()
             state.staged_upto = min(state.staged_upto, failed_at)
+
+    def record_load_round_trips(self, round_trips: dict[str, int]) -> None:
+        """The worker's count of actor round trips per ended load (its start, its
+        waits or polls, the actor's calls on the holder)."""
+        for req_id, count in round_trips.items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.round_trips += count
 
     def fail_pending_loads(self) -> StepMetadata:
         """A step that only fails the loads decided since the last step (building
@@ -362,7 +435,14 @@ class SchedulerSide:
                 PrefixHit(item.load.grant.holder_rank, item.load.holder_address, 0),
                 item.load.grant.lease_id,
             )
-            failed.append(RequestLoad(item.req_id, None, item.load.dst_block_ids))
+            failed.append(
+                RequestLoad(
+                    item.req_id,
+                    None,
+                    item.load.dst_block_ids,
+                    asynchronous=item.asynchronous,
+                )
+            )
             self.loads_failed(set(item.load.dst_block_ids))
         self._new_loads = []
         return StepMetadata(loads=tuple(failed), load_async=self._settings.load_async)
@@ -382,9 +462,11 @@ class SchedulerSide:
         block_size = self._settings.block_size
         loads, self._new_loads = tuple(self._new_loads), []
         # a synchronous load fills its blocks before this step's forward
-        loading_now = (
-            {} if self._settings.load_async else {item.req_id: item for item in loads}
-        )
+        loading_now = {
+            item.req_id: item
+            for item in loads
+            if not item.is_async(self._settings.load_async)
+        }
         stage: list[StageItem] = []
         conditional: list[StageAfterLoad] = []
         for item in scheduled:
@@ -395,6 +477,8 @@ class SchedulerSide:
                 state.block_ids = list(item.block_ids)
             elif state.block_ids is not None:
                 state.block_ids.extend(item.block_ids)
+            if state.passes_waited is None and item.num_scheduled_tokens > 0:
+                state.passes_waited = self._passes - state.asked_at_pass
             table = state.block_ids
             if table is None:
                 # Never saw the whole table (cannot happen with the vLLM versions
@@ -434,6 +518,7 @@ class SchedulerSide:
         self.stats["staged_blocks"] += len(stage) + sum(
             len(c.items) for c in conditional
         )
+        self._passes += 1
         return StepMetadata(
             loads=loads,
             stage=tuple(stage),
@@ -451,10 +536,18 @@ class SchedulerSide:
         self._drop_reservation(state)
         if not state.loaded_into:
             return None
+        policy = self._settings.sync_loads
+        if policy is not None and state.load_holder_address is not None:
+            policy.met(state.load_holder_address)  # its load was not failed
         return {
             "xavier_external_tokens": len(state.loaded_into)
             * self._settings.block_size,
             "xavier_holder_rank": state.holder_rank,
+            # counted, for benchmarks: passes from vLLM's first question to the
+            # request's first forward, and actor round trips on that path
+            "xavier_passes_waited": state.passes_waited,
+            "xavier_passes_deferred": state.passes_deferred,
+            "xavier_round_trips": state.round_trips,
         }
 
     def close(self) -> None:
@@ -487,7 +580,7 @@ class SchedulerSide:
                 prompt, self._settings.block_size, self._settings.namespace
             )
             tokens = prompt if all_token_ids is None else all_token_ids
-            state = _RequestState(tokens, len(prompt), keys)
+            state = _RequestState(tokens, len(prompt), keys, asked_at_pass=self._passes)
             self._requests[req_id] = state
         return state
 

@@ -17,11 +17,20 @@ class RequestLoad:
 
     ``failed_block_ids`` lists the blocks that vLLM counts as externally computed
     but that will not be written (reported as load errors by the worker).
+    ``asynchronous``: vLLM was told the load is asynchronous (it waits for the
+    request in ``get_finished``); otherwise it completes before this step's
+    forward, within ``bound_s`` when that is set (the fast path, ``fast_path.py``).
+    None: as the step's ``load_async`` says.
     """
 
     req_id: str
     load: LoadRequest | None
     failed_block_ids: tuple[int, ...] = ()
+    asynchronous: bool | None = None
+    bound_s: float | None = None
+
+    def is_async(self, step_default: bool) -> bool:
+        return step_default if self.asynchronous is None else self.asynchronous
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +52,7 @@ class StepMetadata:
 
     loads: tuple[RequestLoad, ...] = ()
     stage: tuple[StageItem, ...] = ()
-    load_async: bool = False
+    load_async: bool = False  # the deployment's default (GPU-first); see RequestLoad
     stage_after_load: tuple[StageAfterLoad, ...] = ()
 
     def items_to_stage(self, failed_block_ids: Collection[int]) -> list[StageItem]:

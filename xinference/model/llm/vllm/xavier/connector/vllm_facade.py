@@ -48,6 +48,7 @@ from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
 from .engine_time import EngineTime, timed
+from .fast_path import SyncLoadPolicy, address_host, fast_path_enabled
 from .faults import ConnectorFaults
 from .scheduler import SchedulerSettings, SchedulerSide
 from .step import RequestLoad, StepMetadata
@@ -100,10 +101,16 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 
 class XavierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the replica identity, once the caches are mapped."""
+    """Worker -> scheduler: the replica identity, once the caches are mapped, and
+    the actor round trips of the loads that ended (req_id -> count)."""
 
-    def __init__(self, identity: ReplicaIdentity) -> None:
+    def __init__(
+        self,
+        identity: ReplicaIdentity | None,
+        round_trips: dict[str, int] | None = None,
+    ) -> None:
         self.identity = identity
+        self.round_trips = round_trips or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         return self  # one worker per engine (tensor/pipeline parallel are refused)
@@ -158,6 +165,10 @@ class XavierConnector(KVConnectorBase_V1):
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,
                 remote_loads=options.config.remote_loads,
+                sync_loads=SyncLoadPolicy(
+                    enabled=fast_path_enabled(),
+                    host=address_host(options.transfer_address),
+                ),
             )
             mirror = TrackerMirror(
                 self._mirror_changes, rpc_timeout_s=options.rpc_timeout_s
@@ -295,8 +306,13 @@ class XavierConnector(KVConnectorBase_V1):
                     group,
                 ):
                     failed = tuple(b for b in group if b is not None)
+                    # As vLLM was told: it waits in get_finished only for a load
+                    # answered asynchronously (the fast path's are not).
+                    told_async = self._scheduler.answered_async(request.request_id)
                     self._unreported_failures.append(
-                        RequestLoad(request.request_id, None, failed)
+                        RequestLoad(
+                            request.request_id, None, failed, asynchronous=told_async
+                        )
                     )
 
     @timed
@@ -334,7 +350,9 @@ class XavierConnector(KVConnectorBase_V1):
         try:
             meta = connector_output.kv_connector_worker_meta
             if isinstance(meta, XavierWorkerMetadata):
-                self._scheduler.set_identity(meta.identity)
+                if meta.identity is not None:
+                    self._scheduler.set_identity(meta.identity)
+                self._scheduler.record_load_round_trips(meta.round_trips)
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
@@ -444,7 +462,10 @@ class XavierConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         identity = self._worker.take_identity_report()
-        return None if identity is None else XavierWorkerMetadata(identity)
+        round_trips = self._worker.take_round_trips()
+        if identity is None and not round_trips:
+            return None
+        return XavierWorkerMetadata(identity, round_trips)
 
     def shutdown(self) -> None:
         self._engine_time.log()

@@ -39,7 +39,7 @@ from ..engine.layout import detect_layout
 from ..hashing import BlockHash
 from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .staging_ring import StagingRing
-from .step import StepMetadata
+from .step import RequestLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,22 @@ class WorkerSettings:
     staging_ring_bytes: int = 64 * 1024**2
 
 
+# Beyond a synchronous load's bound (the actor's wait for the data), how long the
+# engine waits for the actor's reply before it fences the load itself.
+REPLY_ALLOWANCE_S = 0.005
+
+
 @dataclass(slots=True)
 class _InFlightLoad:
     req_id: str
     dst_block_ids: tuple[int, ...]
+    # vLLM waits for it before this step's forward, not in get_finished
+    synchronous: bool = False
     started: float = field(default_factory=time.monotonic)
     cancel: asyncio.Future[None] | None = None  # cancel_load in progress
+    # actor calls on this load's critical path: start_load, each wait or poll
+    # until its result came, and the actor's own calls on the holder
+    round_trips: int = 1
 
 
 @dataclass(slots=True)
@@ -118,6 +128,8 @@ class WorkerSide:
         # requests whose load ended (or never started) but are not yet reported
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        # req_id -> round trips of its ended load, until the scheduler half is told
+        self._round_trips: dict[str, int] = {}
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
@@ -259,29 +271,35 @@ class WorkerSide:
         if self._identity is None or self._actor is None:
             self.fail_step_loads(step)  # nothing started: every load fails
             return
+        default = step.load_async
         loads = [item for item in step.loads if item.load is not None]
         for item in step.loads:
             if item.load is None:  # the scheduler could not plan it
-                self._fail(item.req_id, item.failed_block_ids)
+                self._fail(item.req_id, item.failed_block_ids, item.is_async(default))
         if not loads:
             return
         for item in loads:
             assert item.load is not None
             self._in_flight[item.load.load_id] = _InFlightLoad(
-                item.req_id, item.load.dst_block_ids
+                item.req_id, item.load.dst_block_ids, not item.is_async(default)
             )
-        requests = [item.load for item in loads if item.load is not None]
-        if step.load_async:
-            self._run_actor(self._start_all(requests), self._settings.rpc_timeout_s)
-        else:
+        started = [i.load for i in loads if i.is_async(default) and i.load]
+        if started:
+            self._run_actor(self._start_all(started), self._settings.rpc_timeout_s)
+        synchronous = [i for i in loads if not i.is_async(default)]
+        bounded = [i for i in synchronous if i.bound_s is not None]
+        if bounded:
+            self._load_within_bounds(bounded)
+        waited = [i.load for i in synchronous if i.bound_s is None and i.load]
+        if waited:
             # Wait before the forward: attention must read the loaded blocks.
             # The actor's own wait gives up at load_timeout_s; this outer deadline
             # only covers an actor that stopped answering.
             self._run_actor(
-                self._start_and_wait_all(requests),
+                self._start_and_wait_all(waited),
                 self._settings.load_timeout_s + self._settings.rpc_timeout_s,
             )
-            late = [r.load_id for r in requests if r.load_id in self._in_flight]
+            late = [r.load_id for r in waited if r.load_id in self._in_flight]
             if late:
                 # Past the deadline: stop them (their writes finish first) and let
                 # vLLM recompute the blocks.
@@ -290,6 +308,47 @@ class WorkerSide:
                 )
                 for load_id in late:
                     self._load_ended(load_id, "no result before the load deadline")
+
+    def _load_within_bounds(self, items: Sequence[RequestLoad]) -> None:
+        """The fast path: each load in one call to the actor, which gives up at
+        the load's bound and fences its writes off before it answers; this step's
+        forward follows. A reply later than the bound (the actor is slow, not the
+        holder) is answered by fencing the load here, the one case that can wait
+        longer: until the actor confirms no write can land any more."""
+        bound_s = max(item.bound_s or 0.0 for item in items)
+
+        async def load_one(item: RequestLoad) -> None:
+            assert item.load is not None and item.bound_s is not None
+            try:
+                result: LoadResult = await self._actor.load_now(item.load, item.bound_s)
+            except Exception as exc:
+                # It may have started before the call failed: fenced below.
+                logger.warning(
+                    "Xavier: bounded load %s failed: %r", item.load.load_id, exc
+                )
+                return
+            self._load_ended(item.load.load_id, result)
+
+        async def load_all() -> None:
+            await asyncio.gather(*(load_one(item) for item in items))
+
+        self._run_actor(load_all(), bound_s + REPLY_ALLOWANCE_S)
+        late = [
+            item.load.load_id
+            for item in items
+            if item.load is not None and item.load.load_id in self._in_flight
+        ]
+        if late:
+            self._run_actor(self._fence_all(late), self._settings.rpc_timeout_s)
+            for load_id in late:
+                self._load_ended(load_id, "no result within the synchronous bound")
+
+    async def _fence_all(self, load_ids: Sequence[str]) -> None:
+        async def fence(load_id: str) -> None:
+            self._in_flight[load_id].round_trips += 1
+            await self._actor.fence_load(load_id)
+
+        await asyncio.gather(*(fence(i) for i in load_ids))
 
     async def _start_all(self, requests: Sequence[Any]) -> None:
         results = await asyncio.gather(
@@ -305,6 +364,8 @@ class WorkerSide:
         async def wait_one(load_id: str) -> None:
             if load_id not in self._in_flight:
                 return  # failed to start, already recorded
+            load = self._in_flight[load_id]
+            load.round_trips += 1
             try:
                 result: LoadResult = await self._actor.wait_load(
                     load_id, self._settings.load_timeout_s
@@ -315,7 +376,7 @@ class WorkerSide:
                 await self._cancel_quietly(load_id)
                 self._load_ended(load_id, f"wait failed: {exc!r}")
                 return
-            self._load_ended(load_id, None if result.ok else result.error)
+            self._load_ended(load_id, result)
 
         await asyncio.gather(*(wait_one(r.load_id) for r in requests))
 
@@ -330,10 +391,17 @@ class WorkerSide:
         except Exception as exc:
             logger.error("Xavier: cancelling load %s failed: %r", load_id, exc)
 
-    def _load_ended(self, load_id: str, error: str | None) -> None:
+    def _load_ended(self, load_id: str, outcome: str | LoadResult | None) -> None:
+        """Record the end of a load: ``outcome`` is its result, or the error that
+        ended it here (None: it succeeded)."""
         load = self._in_flight.pop(load_id, None)
         if load is None:
             return
+        error = outcome
+        if isinstance(outcome, LoadResult):
+            error = None if outcome.ok else outcome.error
+            load.round_trips += outcome.round_trips
+        self._round_trips[load.req_id] = load.round_trips
         if error is not None:
             logger.warning(
                 "Xavier: load %s of request %s failed, recomputing %d blocks: %s",
@@ -343,21 +411,24 @@ class WorkerSide:
                 error,
             )
             self._load_errors.update(load.dst_block_ids)
-        self._finished_recving.add(load.req_id)
+        if not load.synchronous:
+            self._finished_recving.add(load.req_id)
 
-    def _fail(self, req_id: str, block_ids: Iterable[int]) -> None:
+    def _fail(self, req_id: str, block_ids: Iterable[int], asynchronous: bool) -> None:
         self._load_errors.update(block_ids)
-        self._finished_recving.add(req_id)
+        if asynchronous:  # vLLM waits for it in get_finished
+            self._finished_recving.add(req_id)
 
     def fail_step_loads(self, step: StepMetadata) -> None:
         """Report every load of ``step`` that did not start as failed (after a
         fault in ``start_load_kv``), so vLLM recomputes those blocks. Loads that
         did start stay in flight: their deadlines end them."""
         for item in step.loads:
+            asynchronous = item.is_async(step.load_async)
             if item.load is None:
-                self._fail(item.req_id, item.failed_block_ids)
+                self._fail(item.req_id, item.failed_block_ids, asynchronous)
             elif item.load.load_id not in self._in_flight:
-                self._fail(item.req_id, item.load.dst_block_ids)
+                self._fail(item.req_id, item.load.dst_block_ids, asynchronous)
 
     def get_finished(
         self, finished_req_ids: set[str]
@@ -372,15 +443,14 @@ class WorkerSide:
             self._run_actor(self._poll(finished_req_ids), self._settings.rpc_timeout_s)
         if self._ring_stagings:
             self._hand_over_ring_stagings()  # once a step, whatever else happens
-        if not self._settings.load_async:
-            # Synchronous loads finished inside start_load_kv; vLLM does not wait
-            # for them here.
-            self._finished_recving.clear()
-            return None, None
+        # Only asynchronous loads are reported: synchronous ones finished inside
+        # start_load_kv, and vLLM does not wait for them here.
         done, self._finished_recving = self._finished_recving, set()
         return None, (done or None)
 
     async def _poll(self, finished_req_ids: set[str]) -> None:
+        for load in self._in_flight.values():
+            load.round_trips += 1
         try:
             results: list[LoadResult] = await self._actor.finished_loads()
         except Exception as exc:
@@ -390,7 +460,7 @@ class WorkerSide:
             logger.error("Xavier: polling the transfer actor failed: %r", exc)
             results = []
         for result in results:
-            self._load_ended(result.load_id, None if result.ok else result.error)
+            self._load_ended(result.load_id, result)
         now = time.monotonic()
         for load_id, load in list(self._in_flight.items()):
             late = now - load.started > self._settings.load_timeout_s
@@ -398,6 +468,12 @@ class WorkerSide:
                 load.cancel = asyncio.ensure_future(self._cancel_quietly(load_id))
             elif load.cancel is not None and load.cancel.done():
                 self._load_ended(load_id, "cancelled")
+
+    def take_round_trips(self) -> dict[str, int]:
+        """Per request whose load ended since the last call: the actor round trips
+        on its critical path (counted, for benchmarks and logs)."""
+        counts, self._round_trips = self._round_trips, {}
+        return counts
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

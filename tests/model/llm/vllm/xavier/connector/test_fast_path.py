@@ -1,0 +1,127 @@
+"""Which hits a GPU-first scheduler half answers ``(n, False)`` (the synchronous fast
+path) and what its step hands the worker: the same scripted holder and tracker as
+``test_scheduler.py``, with a holder that grants from its device tier."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from xinference.model.llm.vllm.xavier.connector.fast_path import (
+    SyncLoadPolicy,
+    address_host,
+)
+from xinference.model.llm.vllm.xavier.connector.scheduler import (
+    ScheduledRequest,
+    SchedulerSide,
+)
+from xinference.model.llm.vllm.xavier.wire import (
+    CPU_TIER,
+    DEVICE_TIER,
+    LeaseGrant,
+    PrefixHit,
+)
+
+from . import test_scheduler as base
+from .test_scheduler import BS, Holder, make_side, publish
+
+# the scripted holder's tracker and the background loop, as test_scheduler has them
+loop = base.loop
+tracker = base.tracker
+
+
+class DeviceHolder(Holder):
+    """Grants as ``Holder`` does, from the tier ``tier``."""
+
+    tier = DEVICE_TIER
+
+    async def reserve(
+        self, hit: PrefixHit, keys: list[bytes], lease_id: str, requester: Any
+    ) -> LeaseGrant:
+        grant = await super().reserve(hit, keys, lease_id, requester)
+        return dataclasses.replace(grant, tiers=(self.tier,) * len(grant.keys))
+
+
+def policy(**overrides: Any) -> SyncLoadPolicy:
+    rule = SyncLoadPolicy(**{"enabled": True, "host": "holder", **overrides})
+    for port in ("", ":1", ":2", ":1234"):
+        rule.met(f"nixl://holder{port}")
+    return rule
+
+
+def test_the_first_load_from_a_holder_is_asynchronous():
+    rule = SyncLoadPolicy(enabled=True, host="holder")
+    assert rule.bound_s("nixl://holder:9", (DEVICE_TIER,), 1000) is None
+    rule.met("nixl://holder:9")
+    assert rule.bound_s("nixl://holder:9", (DEVICE_TIER,), 1000) is not None
+
+
+def fast_side(loop, tracker, holder, sync_loads: SyncLoadPolicy) -> SchedulerSide:
+    side = make_side(loop, tracker, holder, load_async=True)
+    side._settings = dataclasses.replace(side._settings, sync_loads=sync_loads)
+    return side
+
+
+def test_the_bound_grows_with_the_bytes_and_is_capped():
+    rule = policy(base_s=0.002, bytes_per_s=1e9, max_s=0.010)
+    addr = "nixl://holder:1234"
+    assert rule.bound_s(addr, (DEVICE_TIER,), 1_000_000) == 0.002 + 0.001
+    assert rule.bound_s(addr, (DEVICE_TIER,), 9_000_000) is None  # 11 ms > 10 ms
+    assert rule.bound_s(addr, (DEVICE_TIER, CPU_TIER), 1000) is None
+    assert rule.bound_s("nixl://elsewhere:1234", (DEVICE_TIER,), 1000) is None
+    assert policy(enabled=False).bound_s(addr, (DEVICE_TIER,), 1000) is None
+    assert address_host("nixl://127.0.0.1:5") == "127.0.0.1"
+
+
+def test_a_holder_that_missed_its_bound_goes_the_asynchronous_way_for_a_while():
+    rule = policy(backoff_s=0.05)
+    addr = "nixl://holder:1"
+    rule.missed(addr)
+    assert rule.bound_s(addr, (DEVICE_TIER,), 1000) is None
+    assert rule.bound_s("nixl://holder:2", (DEVICE_TIER,), 1000) is not None
+    rule._backed_off[addr] = 0.0  # the backoff is over
+    assert rule.bound_s(addr, (DEVICE_TIER,), 1000) is not None
+
+
+def test_a_bounded_hit_is_answered_synchronously_and_loads_in_that_step(loop, tracker):
+    holder = DeviceHolder()
+    prompt = list(range(16))  # 3 loadable blocks
+    keys = publish(tracker, holder, prompt)
+    side = fast_side(loop, tracker, holder, policy())
+    assert side.num_new_matched_tokens("r", prompt, 0) == (3 * BS, False)
+    side.on_allocated("r", [[4, 5, 6, 7]], 3 * BS)
+    step = side.build_step(
+        [ScheduledRequest("r", 3 * BS, 4, [4, 5, 6, 7], whole_table=True)]
+    )
+    (item,) = step.loads
+    assert item.asynchronous is False and item.bound_s is not None
+    assert item.bound_s <= 0.010
+    # the block computed in the same forward waits for the load's outcome
+    assert step.stage == ()
+    assert [s.key for s in step.items_to_stage(set())] == [keys[3]]
+    assert step.items_to_stage({5}) == []
+    assert side.stats["sync_answers"] == 1
+    # counted: scheduled in the very pass that looked it up
+    assert side.request_finished("r")["xavier_passes_waited"] == 0
+
+
+def test_cpu_tier_hits_and_a_backed_off_holder_stay_asynchronous(loop, tracker):
+    holder = DeviceHolder()
+    holder.tier = CPU_TIER
+    prompt = list(range(16))
+    publish(tracker, holder, prompt)
+    rule = policy()
+    side = fast_side(loop, tracker, holder, rule)
+    assert side.num_new_matched_tokens("cpu", prompt, 0) == (3 * BS, True)
+    side.on_allocated("cpu", [[1, 2, 3, 8]], 3 * BS)
+    (item,) = side.build_step([]).loads
+    assert item.asynchronous is True and item.bound_s is None
+
+    # A synchronous load that failed backs its holder off the fast path.
+    holder.tier = DEVICE_TIER
+    assert side.num_new_matched_tokens("dev", prompt, 0) == (3 * BS, False)
+    side.on_allocated("dev", [[9, 10, 11, 12]], 3 * BS)
+    side.build_step([ScheduledRequest("dev", 0, 16, [9, 10, 11, 12], True)])
+    side.loads_failed({10})
+    assert side.stats["sync_loads_failed"] == 1
+    assert side.num_new_matched_tokens("next", prompt, 0) == (3 * BS, True)

@@ -1,0 +1,160 @@
+"""The worker half's synchronous fast path: one step carries two bounded loads, one
+from a holder that stalls. ``start_load_kv`` returns within the bound, reports only
+the stalled load's blocks as failed (vLLM recomputes them), and the other request's
+blocks are loaded for this step's forward. The "actor" is in process: the real load
+runner behind ``load_now`` / ``fence_load``, with the fake transport of the actor
+part tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
+from xinference.model.llm.vllm.xavier.connector.step import RequestLoad, StepMetadata
+from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
+from xinference.model.llm.vllm.xavier.wire import LoadResult
+
+from ..actor.test_parts import FakeTransport, request, runner_for, staged_holder
+
+BOUND_S = 0.010
+
+
+class StallingTransport(FakeTransport):
+    """The fake transport, except that a load under lease ``stalled_lease`` waits
+    for ``go_on`` (its holder stopped answering)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalled_lease = ""
+        self.go_on = asyncio.Event()
+
+    async def load(
+        self, holder: Any, holder_rank: int, lease_id: str, *args: Any, **kwargs: Any
+    ) -> None:
+        if lease_id == self.stalled_lease:
+            await self.go_on.wait()
+        await super().load(holder, holder_rank, lease_id, *args, **kwargs)
+
+
+class InProcessActor:
+    """The loader's transfer actor calls the worker makes on the fast path."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.calls: list[str] = []
+
+    async def load_now(self, req: Any, wait_s: float) -> LoadResult:
+        self.calls.append("load_now")
+        await self.runner.start(req)
+        result: LoadResult = await self.runner.wait_bounded(req.load_id, wait_s)
+        return result
+
+    async def fence_load(self, load_id: str) -> None:
+        self.calls.append("fence_load")
+        await self.runner.fence(load_id)
+
+
+@pytest.fixture
+def loop() -> Iterator[BackgroundLoop]:
+    background = BackgroundLoop("test-worker-fast-path")
+    yield background
+    background.close()
+
+
+def worker_with(loop: BackgroundLoop, actor: InProcessActor) -> WorkerSide:
+    settings = WorkerSettings(
+        model="m",
+        num_blocks=32,
+        block_size=16,
+        load_async=True,
+        rpc_timeout_s=5.0,
+        load_timeout_s=15.0,
+    )
+    worker = WorkerSide(settings, loop, actor_factory=lambda: None)  # type: ignore
+    worker._identity = object()  # type: ignore[assignment]  # mapped
+    worker._actor = actor
+    return worker
+
+
+def bounded(req_id: str, load: Any, bound_s: float) -> RequestLoad:
+    return RequestLoad(req_id, load, asynchronous=False, bound_s=bound_s)
+
+
+def blocks_of(target: Any, blocks: Sequence[int]) -> list[torch.Tensor]:
+    return [target.read_block(b).clone() for b in blocks]
+
+
+def test_a_stalled_holder_costs_the_step_its_bound_and_only_its_own_blocks(loop):
+    holder, published = loop.run(staged_holder(4, device_slots=4), 30)
+    transport = StallingTransport()
+    runner, target, counters = runner_for(holder, transport)
+    actor = InProcessActor(runner)
+    worker = worker_with(loop, actor)
+    identity = holder.engine.identity()
+    stalled = holder.leases.grant(published[:2], "lease-stalled", identity)
+    good = holder.leases.grant(published[2:], "lease-good", identity)
+    transport.stalled_lease = "lease-stalled"
+    before = blocks_of(target, [10, 11])
+    step = StepMetadata(
+        loads=(
+            bounded("stuck", request(stalled, [10, 11], "load-stuck"), BOUND_S),
+            # generous, so that a loaded CI host cannot make it miss
+            bounded("fine", request(good, [20, 21], "load-fine"), 2.0),
+        ),
+        load_async=True,
+    )
+    began = time.perf_counter()
+    worker.start_load_kv(step)
+    took = time.perf_counter() - began
+    # the bound plus scheduling noise of a loaded CI host, far below the stall
+    assert took < BOUND_S + 0.5, took
+    assert worker.get_block_ids_with_load_errors() == {10, 11}
+    # the other request's blocks are there for this step's forward
+    for src, dst in zip((2, 3), (20, 21), strict=True):
+        assert torch.equal(target.read_block(dst), holder.engine.read_block(src))
+    # synchronous loads are not reported to vLLM as finished receives
+    assert worker.get_finished(set()) == (None, None)
+    # counted: one load_now call each, no fence needed (the actor answered)
+    assert actor.calls == ["load_now", "load_now"]
+    assert worker.take_round_trips() == {"stuck": 1, "fine": 2}
+    assert counters.loads_past_bound == 1
+    # The holder wakes: nothing lands in the failed request's blocks.
+    loop.run(_set(transport.go_on), 5)
+    loop.run(asyncio.sleep(0.2), 5)
+    for block, old in zip((10, 11), before, strict=True):
+        assert torch.equal(target.read_block(block), old)
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()
+
+
+def test_a_bounded_load_whose_call_failed_is_fenced_and_recomputed(loop):
+    """The call may fail after the actor started the load: the worker fences it
+    before it reports the blocks failed (a refused start is fenced harmlessly)."""
+    holder, published = loop.run(staged_holder(2, device_slots=2), 30)
+    transport = StallingTransport()
+    runner, _, _ = runner_for(holder, transport)
+    actor = InProcessActor(runner)
+    worker = worker_with(loop, actor)
+    identity = holder.engine.identity()
+    transport.stalled_lease = "lease-busy"
+    busy = holder.leases.grant(published, "lease-busy", identity)
+    loop.run(runner.start(request(busy, [4, 5], "load-busy")), 5)  # blocks 4, 5
+    again = holder.leases.grant(published, "lease-again", identity)
+    worker.start_load_kv(
+        StepMetadata(
+            loads=(bounded("again", request(again, [5, 6], "load-again"), 2.0),),
+            load_async=True,
+        )
+    )
+    assert actor.calls == ["load_now", "fence_load"]
+    assert worker.get_block_ids_with_load_errors() == {5, 6}
+    assert worker.get_finished(set()) == (None, None)
+    loop.run(_set(transport.go_on), 5)

@@ -1,0 +1,92 @@
+"""Which remote hits load synchronously in a GPU-first deployment, and how long
+the engine may wait for one.
+
+A remote hit loaded asynchronously costs the request engine passes (vLLM skips it
+until a poll says the load finished) and actor round trips on its path; a local
+prefix hit costs neither. A hit whose load is bounded is therefore answered
+``(n, False)``: vLLM schedules the request in the pass that looked it up, and the
+worker half completes the load in that step's ``start_load_kv``, before attention
+reads the blocks. Bounded means: every key is in the holder's device tier (a CPU-tier
+snapshot is read through the holder's own process), the holder runs on this host
+(no network between the two), and the bytes move within ``max_s`` at a conservative
+rate. The wait itself has a hard bound (``bound_s``); a load past it is reported
+failed (vLLM recomputes its blocks), its writes are fenced off by the loading actor
+before the engine goes on (``LoadRunner.run_bounded``), and its holder is kept off
+the synchronous path for ``backoff_s``. Everything else stays asynchronous.
+
+``XAVIER_FAST_PATH=0`` in the engine's environment turns the synchronous path off
+(benchmarks compare both in one run).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from ..wire import DEVICE_TIER
+
+FAST_PATH_ENV = "XAVIER_FAST_PATH"
+
+
+def fast_path_enabled() -> bool:
+    """Whether this process's environment leaves the synchronous path on."""
+    return os.environ.get(FAST_PATH_ENV, "1").strip().lower() not in (
+        "0",
+        "false",
+        "off",
+    )
+
+
+def address_host(address: str) -> str:
+    """The host of an xoscar address (``nixl://127.0.0.1:1234`` -> ``127.0.0.1``)."""
+    parsed = urlsplit(address if "://" in address else f"//{address}")
+    return parsed.hostname or ""
+
+
+@dataclass(slots=True)
+class SyncLoadPolicy:
+    """Decides the synchronous path per hit; remembers holders that missed it."""
+
+    enabled: bool
+    host: str  # this replica's transfer actor's host
+    base_s: float = 0.002  # fixed cost of a bounded load: one call, one fence
+    bytes_per_s: float = 1e9  # a conservative copy rate on one host
+    max_s: float = 0.010  # no synchronous wait is longer than this
+    backoff_s: float = 30.0
+    # holder address -> monotonic time until which its hits load asynchronously
+    _backed_off: dict[str, float] = field(default_factory=dict)
+    # holders a load already succeeded from: the first load from a peer also
+    # meets it (endpoint, connection), far slower than any bound, so it is async
+    _met: set[str] = field(default_factory=set)
+
+    def bound_s(
+        self, holder_address: str, tiers: Sequence[str], nbytes: int
+    ) -> float | None:
+        """The hard bound of a synchronous load of ``nbytes`` in ``tiers`` from
+        ``holder_address``, or None: load it asynchronously."""
+        if not self.enabled or not tiers:
+            return None
+        if any(tier != DEVICE_TIER for tier in tiers):
+            return None
+        if address_host(holder_address) != self.host:
+            return None
+        if holder_address not in self._met:
+            return None
+        until = self._backed_off.get(holder_address)
+        if until is not None:
+            if time.monotonic() < until:
+                return None
+            del self._backed_off[holder_address]
+        bound = self.base_s + nbytes / self.bytes_per_s
+        return bound if bound <= self.max_s else None
+
+    def met(self, holder_address: str) -> None:
+        """A load from ``holder_address`` succeeded: its peer is set up."""
+        self._met.add(holder_address)
+
+    def missed(self, holder_address: str) -> None:
+        """A synchronous load from ``holder_address`` failed or ran past its bound."""
+        self._backed_off[holder_address] = time.monotonic() + self.backoff_s
