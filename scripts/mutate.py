@@ -111,8 +111,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "cpu_read_no_timeout",
         f"{X}/transports/cpu_tier.py",
-        "reply = await xo.wait_for(holder_ref.read_cpu_rows(lease_id, batch), "
-        "timeout_s)",
+        "reply = await xo.wait_for(\n"
+        "                holder_ref.read_cpu_rows(lease_id, batch), timeout_s\n"
+        "            )",
         "reply = await holder_ref.read_cpu_rows(lease_id, batch)",
         (f"{T}/test_stalled_peers.py",),
         k="cpu-tier",
@@ -245,12 +246,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "abandon_load_releases_before_reporting",
         f"{X}/connector/scheduler.py",
         "        state = self._requests.get(req_id)\n"
-        "        if state is not None:\n"
-        "            state.load_attempted = True\n",
+        "        asynchronous = self._settings.load_async\n",
         "        self.drop_reservation(req_id)\n"
         "        state = self._requests.get(req_id)\n"
-        "        if state is not None:\n"
-        "            state.load_attempted = True\n",
+        "        asynchronous = self._settings.load_async\n",
         (f"{T}/connector/test_scheduler.py",),
         k="abandoned",
         group="issue27",

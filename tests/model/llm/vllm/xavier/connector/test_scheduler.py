@@ -646,7 +646,9 @@ def test_an_abandoned_load_is_reported_failed_even_if_its_release_fails(loop, tr
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):
         side.abandon_load("r", (4, 5, None))
-    assert side.build_step([]).loads == (RequestLoad("r", None, (4, 5)),)
+    assert side.build_step([]).loads == (
+        RequestLoad("r", None, (4, 5), asynchronous=False),
+    )
 
 
 def test_failing_pending_loads_releases_their_leases(loop, tracker):

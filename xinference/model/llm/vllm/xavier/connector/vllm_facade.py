@@ -308,7 +308,11 @@ class XavierConnector(KVConnectorBase_V1):
                     failed = tuple(b for b in group if b is not None)
                     # As vLLM was told: it waits in get_finished only for a load
                     # answered asynchronously (the fast path's are not).
-                    told_async = self._scheduler.answered_async(request.request_id)
+                    try:
+                        told_async = self._scheduler.answered_async(request.request_id)
+                    except Exception as again:
+                        self._faults.record("update_state_after_alloc", again)
+                        told_async = None
                     self._unreported_failures.append(
                         RequestLoad(
                             request.request_id, None, failed, asynchronous=told_async
