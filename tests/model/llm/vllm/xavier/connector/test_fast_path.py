@@ -7,9 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
+
 from xinference.model.llm.vllm.xavier.connector.fast_path import (
+    DEFAULT_BASE_S,
+    FAST_PATH_BASE_ENV,
     SyncLoadPolicy,
     address_host,
+    fast_path_base_s,
 )
 from xinference.model.llm.vllm.xavier.connector.scheduler import (
     ScheduledRequest,
@@ -125,3 +130,14 @@ def test_cpu_tier_hits_and_a_backed_off_holder_stay_asynchronous(loop, tracker):
     side.loads_failed({10})
     assert side.stats["sync_loads_failed"] == 1
     assert side.num_new_matched_tokens("next", prompt, 0) == (3 * BS, True)
+
+
+def test_the_bounds_fixed_part_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(FAST_PATH_BASE_ENV, raising=False)
+    assert fast_path_base_s() == DEFAULT_BASE_S
+    monkeypatch.setenv(FAST_PATH_BASE_ENV, "8")
+    assert fast_path_base_s() == pytest.approx(0.008)
+    for wrong in ("0", "11", "fast"):
+        monkeypatch.setenv(FAST_PATH_BASE_ENV, wrong)
+        with pytest.raises(ValueError, match=FAST_PATH_BASE_ENV):
+            fast_path_base_s()

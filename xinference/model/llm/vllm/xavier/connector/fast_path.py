@@ -15,7 +15,9 @@ before the engine goes on (``LoadRunner.run_bounded``), and its holder is kept o
 the synchronous path for ``backoff_s``. Everything else stays asynchronous.
 
 ``XAVIER_FAST_PATH=0`` in the engine's environment turns the synchronous path off
-(benchmarks compare both in one run).
+(benchmarks compare both in one run); ``XAVIER_FAST_PATH_BASE_MS`` sets the fixed
+part of the bound (default 2 ms; a host whose Python is slow, such as a busy 2-core
+CPU machine, needs more for its first loads), within the 10 ms cap.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from urllib.parse import urlsplit
 from ..wire import DEVICE_TIER
 
 FAST_PATH_ENV = "XAVIER_FAST_PATH"
+FAST_PATH_BASE_ENV = "XAVIER_FAST_PATH_BASE_MS"
+DEFAULT_BASE_S = 0.002  # fixed cost of a bounded load: one call, one fence
+MAX_BOUND_S = 0.010  # no synchronous wait is longer than this
 
 
 def fast_path_enabled() -> bool:
@@ -38,6 +43,25 @@ def fast_path_enabled() -> bool:
         "false",
         "off",
     )
+
+
+def fast_path_base_s() -> float:
+    """The bound's fixed part from the environment (milliseconds), capped."""
+    raw = os.environ.get(FAST_PATH_BASE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BASE_S
+    try:
+        base_ms = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{FAST_PATH_BASE_ENV} must be a number of milliseconds, got {raw!r}"
+        ) from None
+    if not 0 < base_ms <= MAX_BOUND_S * 1e3:
+        raise ValueError(
+            f"{FAST_PATH_BASE_ENV} must be in (0, {MAX_BOUND_S * 1e3:g}] ms, "
+            f"got {raw!r}"
+        )
+    return base_ms / 1e3
 
 
 def address_host(address: str) -> str:
@@ -52,9 +76,9 @@ class SyncLoadPolicy:
 
     enabled: bool
     host: str  # this replica's transfer actor's host
-    base_s: float = 0.002  # fixed cost of a bounded load: one call, one fence
+    base_s: float = DEFAULT_BASE_S
     bytes_per_s: float = 1e9  # a conservative copy rate on one host
-    max_s: float = 0.010  # no synchronous wait is longer than this
+    max_s: float = MAX_BOUND_S
     backoff_s: float = 30.0
     # holder address -> monotonic time until which its hits load asynchronously
     _backed_off: dict[str, float] = field(default_factory=dict)

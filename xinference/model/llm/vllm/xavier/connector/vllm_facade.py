@@ -48,7 +48,12 @@ from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
 from .engine_time import EngineTime, timed
-from .fast_path import SyncLoadPolicy, address_host, fast_path_enabled
+from .fast_path import (
+    SyncLoadPolicy,
+    address_host,
+    fast_path_base_s,
+    fast_path_enabled,
+)
 from .faults import ConnectorFaults
 from .scheduler import SchedulerSettings, SchedulerSide
 from .step import RequestLoad, StepMetadata
@@ -168,6 +173,7 @@ class XavierConnector(KVConnectorBase_V1):
                 sync_loads=SyncLoadPolicy(
                     enabled=fast_path_enabled(),
                     host=address_host(options.transfer_address),
+                    base_s=fast_path_base_s(),
                 ),
             )
             mirror = TrackerMirror(
