@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .model_dirs import build_once
 
 # The test model: 2 layers, 4 heads of size 32, 2 KV heads (vLLM's CPU attention
 # supports head sizes 32, 64, 80, ...).
@@ -113,37 +113,9 @@ def build_tiny_qwen2(
     build goes to a temporary sibling directory that is renamed into place, so
     concurrent builders never see a half-written model.
     """
-    target = Path(path)
     config = {**TINY_QWEN2, **overrides}
     spec = {"format": _FORMAT, "chat_template": with_chat_template, "config": config}
-    if _is_built(target, spec):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        _build(staging, spec)
-        if target.exists():
-            if _is_built(target, spec):  # another builder finished first
-                return target
-            shutil.rmtree(target)
-        os.rename(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _is_built(target: Path, spec: dict[str, Any]) -> bool:
-    marker = target / _MARKER
-    if not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()) == _canonical(spec)
-    except ValueError:
-        return False
-
-
-def _canonical(spec: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(spec, sort_keys=True, default=str))
+    return build_once(path, spec, _MARKER, _build)
 
 
 def _build(directory: Path, spec: dict[str, Any]) -> None:
@@ -178,7 +150,6 @@ def _build(directory: Path, spec: dict[str, Any]) -> None:
         **GENERATION_DEFAULTS,
     )
     model.save_pretrained(directory, safe_serialization=True)
-    (directory / _MARKER).write_text(json.dumps(_canonical(spec), sort_keys=True))
 
 
 def _train_tokenizer(vocab_size: int) -> Any:
