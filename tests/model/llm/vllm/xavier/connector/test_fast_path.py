@@ -12,9 +12,11 @@ import pytest
 from xinference.model.llm.vllm.xavier.connector.fast_path import (
     DEFAULT_BASE_S,
     FAST_PATH_BASE_ENV,
+    FAST_PATH_ENV,
     SyncLoadPolicy,
     address_host,
     fast_path_base_s,
+    fast_path_enabled,
 )
 from xinference.model.llm.vllm.xavier.connector.scheduler import (
     ScheduledRequest,
@@ -141,3 +143,14 @@ def test_the_bounds_fixed_part_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv(FAST_PATH_BASE_ENV, wrong)
         with pytest.raises(ValueError, match=FAST_PATH_BASE_ENV):
             fast_path_base_s()
+
+
+def test_the_fast_path_is_opt_in(monkeypatch):
+    """Off unless the engine's environment turns it on (until it has run on a GPU
+    host, where its bound is meant to hold)."""
+    monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    assert not fast_path_enabled()
+    monkeypatch.setenv(FAST_PATH_ENV, "1")
+    assert fast_path_enabled()
+    monkeypatch.setenv(FAST_PATH_ENV, "0")
+    assert not fast_path_enabled()

@@ -53,7 +53,9 @@ def replicas() -> Iterator[tuple[XavierCluster, EngineProcess, EngineProcess]]:
             # load's calls take milliseconds of Python on a busy 2-core machine.
             engines.append(
                 EngineProcess(
-                    f"fast{rank}", kwargs, env={"XAVIER_FAST_PATH_BASE_MS": "8"}
+                    f"fast{rank}",
+                    kwargs,
+                    env={"XAVIER_FAST_PATH": "1", "XAVIER_FAST_PATH_BASE_MS": "8"},
                 ).start()
             )
         for rank, engine in enumerate(engines):
