@@ -4,7 +4,6 @@ a wrong password refused, sign in, and the page's own calls authorised."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,34 +11,21 @@ from typing import Any
 import pytest
 
 from ..deploy.local_server import LocalServer
-from .test_web_page import CHROMIUM_ARGS, playwright_sync
+from .browser import chromium_page, expect
 
-expect = playwright_sync.expect
-CHROMIUM = "/usr/bin/chromium"
 PASSWORD = "a long admin password"
 
 
 @pytest.fixture
 def page(authed_server: LocalServer, tmp_path: Path) -> Iterator[Any]:
-    with playwright_sync.sync_playwright() as driver:
-        context = driver.chromium.launch_persistent_context(
-            str(tmp_path / "profile"),
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
+    with chromium_page(tmp_path / "profile") as page:
+        page.statuses = []
+        page.on(
+            "response",
+            lambda r: page.statuses.append((r.url.split("/", 3)[-1], r.status)),
         )
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            page.statuses = []
-            page.on(
-                "response",
-                lambda r: page.statuses.append((r.url.split("/", 3)[-1], r.status)),
-            )
-            page.goto(authed_server.endpoint + "/")
-            yield page
-        finally:
-            context.close()
-    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+        page.goto(authed_server.endpoint + "/")
+        yield page
 
 
 def test_first_run_setup_then_sign_out_and_in(page):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,28 +28,7 @@ import httpx
 import pytest
 
 from ..deploy.local_server import LocalServer, wait_for_no_descendants
-
-playwright_sync = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (scripts/setup.sh)"
-)
-expect = playwright_sync.expect
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-if not Path(CHROMIUM).exists():
-    pytest.skip(
-        f"{CHROMIUM} is missing: Debian's chromium package (scripts/setup.sh)",
-        allow_module_level=True,
-    )
+from .browser import chromium_page, expect
 
 # Past the supervisor's own engine-load deadline (900 s), so its error shows first.
 LAUNCH_TIMEOUT_MS = 960_000
@@ -81,25 +59,14 @@ class Session:
 
 @pytest.fixture
 def session(server: LocalServer, tmp_path: Path) -> Iterator[Session]:
-    with playwright_sync.sync_playwright() as driver:
-        context = driver.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            opened = Session(page)
-            page.on("request", lambda r: opened.requested.append(r.url))
-            page.on("pageerror", lambda e: opened.errors.append(str(e)))
-            page.on("console", lambda m: opened.console.append(f"{m.type}: {m.text}"))
-            page.goto(server.endpoint + "/")
-            yield opened
-        finally:
-            context.close()
-    shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)
+    profile = tmp_path / "chromium-profile"
+    with chromium_page(profile, viewport={"width": 1400, "height": 1000}) as page:
+        opened = Session(page)
+        page.on("request", lambda r: opened.requested.append(r.url))
+        page.on("pageerror", lambda e: opened.errors.append(str(e)))
+        page.on("console", lambda m: opened.console.append(f"{m.type}: {m.text}"))
+        page.goto(server.endpoint + "/")
+        yield opened
 
 
 def fill_launch_form(page: Any, *, replicas: str) -> None:

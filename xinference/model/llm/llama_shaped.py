@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .model_dirs import build_once
-from .tiny_model import _corpus as synthetic_corpus
+from .synthetic_text import synthetic_corpus
 
 VOCAB_SIZE = 128_256
 LEARNED_VOCAB = 1_000  # ids the BPE learned; the benchmarks' prompt ids lie below

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .model_dirs import build_once
+from .synthetic_text import synthetic_corpus
 
 # The test model: 2 layers, 4 heads of size 32, 2 KV heads (vLLM's CPU attention
 # supports head sizes 32, 64, 80, ...).
@@ -182,7 +183,7 @@ def _train_tokenizer(vocab_size: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_corpus(), trainer=trainer)
+    bpe.train_from_iterator(synthetic_corpus(), trainer=trainer)
     return _qwen2_tokenizer(bpe)
 
 
@@ -213,49 +214,3 @@ def _qwen2_tokenizer(bpe: Any) -> Any:
     # 4.x: the fast class wraps the trained tokenizer as it is.
     fast_class: Any = transformers.Qwen2TokenizerFast  # type: ignore[attr-defined]
     return fast_class(tokenizer_object=bpe, **options)
-
-
-def _corpus() -> list[str]:
-    """Deterministic pseudo-English: syllable words in sentences, numbers, punctuation.
-
-    Varied enough for the trainer to learn about a thousand merges.
-    """
-    syllables = [
-        "ka",
-        "lo",
-        "mi",
-        "ne",
-        "su",
-        "ta",
-        "ri",
-        "po",
-        "de",
-        "va",
-        "the",
-        "and",
-        "ing",
-        "er",
-        "on",
-        "st",
-        "ch",
-        "qu",
-        "ex",
-        "pre",
-        "tion",
-        "al",
-        "or",
-        "en",
-    ]
-    words = [a + b for a in syllables for b in syllables]
-    words += [
-        a + b + c for a in syllables[:8] for b in syllables for c in syllables[:6]
-    ]
-    lines = []
-    state = 12345
-    for n in range(4000):
-        sentence = []
-        for _ in range(8):
-            state = (state * 1103515245 + 12345) % (1 << 31)  # fixed LCG
-            sentence.append(words[state % len(words)])
-        lines.append(" ".join(sentence) + f", {n % 1000}. ")
-    return lines
