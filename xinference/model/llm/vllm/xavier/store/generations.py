@@ -1,0 +1,108 @@
+"""Generation words of the device tier's slots: what makes a lease-free read safe.
+
+A loader that reads a holder's snapshot without a lease has no pin that keeps the
+slot from being reused while its READ runs. Instead each device-tier slot has one
+64-bit word, written only by the holder's store, on this protocol (a sequence
+lock):
+
+- the word is odd while the slot is being (re)written: the store makes it odd
+  (``begin_rewrite``) before anything writes a new snapshot's rows into the slot;
+- it becomes even again, larger than ever before (``publish``), once every row of
+  the new snapshot is written, and that even value is published with the key;
+- a loader that expects generation ``g`` for a key reads the rows, and only after
+  they have landed reads the word back: the rows are the key's if and only if the
+  word still is ``g`` (``mismatches``). Any other value, odd or larger, means the
+  slot was reused during or before the read; those blocks are failed and the
+  engine recomputes them. A stale index entry costs a recomputation, never wrong KV.
+
+Values only grow, so a slot reused twice never shows an old generation again. A
+slot freed and not yet reused keeps its word: its rows are still the old
+snapshot's, so a read of them is still correct.
+
+The words live in CPU memory even when the tier is on a GPU: the store's thread
+writes them with plain stores, ordered before the rows' copies it launches after
+them (``begin_rewrite``) and after the fence that ``publish`` already requires. A
+reader in another process reads them by whatever moves host memory (a NIXL READ
+of the region, shared memory on one host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+WORD_DTYPE = torch.int64
+
+
+class SlotGenerations:
+    """One generation word per device-tier slot (see the module docstring)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be non-negative, got {num_slots}")
+        # 0: never written (even, and no published generation is 0)
+        self.words = torch.zeros(num_slots, dtype=WORD_DTYPE)
+        self._view = self.words.numpy()  # plain stores, no torch dispatch per call
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.words.numel())
+
+    def begin_rewrite(self, slot: int) -> None:
+        """The slot is about to receive a new snapshot's rows: from now on a
+        reader that expected its previous generation sees a mismatch."""
+        word = int(self._view[slot])
+        self._view[slot] = word + 1 if word % 2 == 0 else word + 2
+
+    def publish(self, slot: int) -> int:
+        """The slot's new snapshot is fully written: its generation (even, larger
+        than any the slot had before), to be published with its key."""
+        word = int(self._view[slot])
+        if word % 2 == 0:
+            raise AssertionError(
+                f"slot {slot} is published without begin_rewrite (word {word})"
+            )
+        self._view[slot] = word + 1
+        return word + 1
+
+    def current(self, slot: int) -> int:
+        return int(self._view[slot])
+
+    def read(self, slots: Sequence[int]) -> list[int]:
+        """The words of ``slots`` now (a local reader's read-back)."""
+        return [int(self._view[s]) for s in slots]
+
+
+def is_stable(generation: int) -> bool:
+    """Whether ``generation`` names a published snapshot (even, not 0)."""
+    return generation > 0 and generation % 2 == 0
+
+
+def mismatches(expected: Sequence[int], read_back: Sequence[int]) -> list[int]:
+    """Positions whose word, read back after the rows landed, is not the
+    generation the loader expected: those rows may not be the key's."""
+    if len(expected) != len(read_back):
+        raise ValueError(
+            f"{len(read_back)} generation words read back for {len(expected)} keys"
+        )
+    return [
+        i
+        for i, (want, got) in enumerate(zip(expected, read_back))
+        if not is_stable(want) or got != want
+    ]
+
+
+def verified_read(
+    read_rows: Callable[[], None],
+    read_words: Callable[[], Sequence[int]],
+    expected: Sequence[int],
+) -> list[int]:
+    """A lease-free read: ``read_rows`` brings the rows (and returns once they
+    have landed), then ``read_words`` reads the same slots' generation words; the
+    positions whose word is not ``expected`` must be treated as not loaded.
+
+    The order is the protocol: a word read before the rows could predate a reuse
+    that overwrote them during the read."""
+    read_rows()
+    return mismatches(expected, read_words())
