@@ -88,7 +88,7 @@ def mismatches(expected: Sequence[int], read_back: Sequence[int]) -> list[int]:
         )
     return [
         i
-        for i, (want, got) in enumerate(zip(expected, read_back))
+        for i, (want, got) in enumerate(zip(expected, read_back, strict=True))
         if not is_stable(want) or got != want
     ]
 
