@@ -53,9 +53,7 @@ class LeaseFreeReader:
     def read(self, during_read=lambda: None) -> list[int]:
         def read_rows() -> None:
             during_read()  # the holder acts while the READ is in flight
-            self.rows.copy_(
-                self.store.device_rows[self.first_row : self.first_row + L]
-            )
+            self.rows.copy_(self.store.device_rows[self.first_row : self.first_row + L])
 
         def read_words() -> list[int]:
             return self.store.generations.read([self.slot])
