@@ -165,6 +165,9 @@ class IndexChange:
     ADD = "add"
     REMOVE = "remove"
     FORGET = "forget"
+    # where ``rank`` keeps published device-tier keys (the change log's records
+    # carry the rows and generations); changes no holder
+    LOCATE = "locate"
 
     op: str
     rank: int
