@@ -202,7 +202,7 @@ def test_locate_records_round_trip_and_count_their_keys():
     located = [(k, 10 * i, 2 * i + 2) for i, k in enumerate(keys)]
     record = encode(IndexChange.LOCATE, 5, pack_locations(located))
     record += encode(IndexChange.REMOVE, 5, b"".join(keys[:1]))
-    ((op, rank, packed), removed) = list(decode(record))
+    (op, rank, packed), removed = list(decode(record))
     assert (op, rank) == (IndexChange.LOCATE, 5)
     assert unpack_locations(packed) == located
     assert removed[0] == IndexChange.REMOVE and removed[2] == keys[0]

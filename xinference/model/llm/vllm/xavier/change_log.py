@@ -109,11 +109,11 @@ def decode_changes(records: bytes) -> tuple[IndexChange, ...]:
         IndexChange(
             op,
             rank,
-            tuple(
-                entry[0] for entry in unpack_locations(keys)
-            )
-            if op == IndexChange.LOCATE
-            else tuple(unpack_keys(keys)),
+            (
+                tuple(entry[0] for entry in unpack_locations(keys))
+                if op == IndexChange.LOCATE
+                else tuple(unpack_keys(keys))
+            ),
         )
         for op, rank, keys in decode(records)
     )
