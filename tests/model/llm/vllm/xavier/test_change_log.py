@@ -142,9 +142,10 @@ async def test_replicas_send_one_packed_update_per_send_logged_as_sent():
     sent: list[tuple[str, int, object]] = []
 
     class Recording:
-        async def update_blocks(self, rank, dropped, added):
+        async def update_blocks(self, rank, dropped, added, located=b""):
+            assert located == b""  # these updates locate nothing
             sent.append((rank, dropped, added))
-            tracker.update_blocks(rank, dropped, added)
+            tracker.update_blocks(rank, dropped, added, located)
 
     async def no_deadline(call):
         return await call

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -47,6 +47,8 @@ from ..stats import (
     TransportStats,
     XavierStats,
 )
+from ..change_log import Location
+from ..store.generations import device_locations
 from ..store.tiered import TieredKVSnapshotStore
 from ..transports import create_device_tier_transport
 from ..transports.base import DeviceTierTransport, HolderOp, TransportContext
@@ -354,16 +356,26 @@ class XavierTransferActor(xo.StatelessActor):
                     self._counters,
                 )
             finally:
+                store = mapped.store
                 self._tell_tracker(
-                    keys_added=[], keys_dropped=mapped.store.take_dropped()
+                    keys_added=[],
+                    keys_dropped=store.take_dropped(),
+                    located=device_locations(store, store.take_demoted()),
                 )
-            self._tell_tracker(keys_added=keys, keys_dropped=[])
+            self._tell_tracker(
+                keys_added=keys,
+                keys_dropped=[],
+                located=device_locations(store, keys, only_held=True),
+            )
             return len(keys)
 
     def _tell_tracker(
-        self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
+        self,
+        keys_added: list[BlockHash],
+        keys_dropped: list[BlockHash],
+        located: Sequence[Location] = (),
     ) -> None:
-        task = self._tracker_updates.tell(keys_added, keys_dropped)
+        task = self._tracker_updates.tell(keys_added, keys_dropped, located)
         if task is not None:  # close() waits for it
             self._operations.add(task)
             task.add_done_callback(self._operations.discard)

@@ -29,8 +29,11 @@ of the region, shared memory on one host).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
+
+from ..hashing import BlockHash
 
 WORD_DTYPE = torch.int64
 
@@ -106,3 +109,23 @@ def verified_read(
     that overwrote them during the read."""
     read_rows()
     return mismatches(expected, read_words())
+
+
+class _LocatesDeviceKeys(Protocol):
+    def device_location(self, key: BlockHash) -> tuple[int, int] | None: ...
+
+
+def device_locations(
+    store: _LocatesDeviceKeys, keys: Sequence[BlockHash], only_held: bool = False
+) -> list[tuple[BlockHash, int, int]]:
+    """What to publish for ``keys``: ``(key, row, generation)`` of those in the
+    device tier, and ``(key, 0, 0)`` (no location: it left the device tier) for
+    the others unless ``only_held``."""
+    out = []
+    for key in keys:
+        location = store.device_location(key)
+        if location is not None:
+            out.append((key, *location))
+        elif not only_held:
+            out.append((key, 0, 0))
+    return out

@@ -140,6 +140,8 @@ class TieredKVSnapshotStore:
         self._leases: dict[str, _Lease] = {}
         # keys dropped since the last take_dropped(), in drop order.
         self._dropped: list[BlockHash] = []
+        # keys demoted out of the device tier since the last take_demoted()
+        self._demoted: list[BlockHash] = []
 
         self._device_hits = 0
         self._cpu_hits = 0
@@ -441,6 +443,12 @@ class TieredKVSnapshotStore:
             rows.append(first_row)
         return rows
 
+    def take_demoted(self) -> list[BlockHash]:
+        """Keys moved out of the device tier since the last call (their published
+        locations are stale; an undone move is listed too)."""
+        demoted, self._demoted = self._demoted, []
+        return demoted
+
     def take_dropped(self) -> list[BlockHash]:
         """Keys dropped since the last call, oldest first (to unregister them)."""
         dropped, self._dropped = self._dropped, []
@@ -552,6 +560,7 @@ class TieredKVSnapshotStore:
         device.order.remove(key)
         device.give_back_slot(record.slot)
         record.tier, record.slot = CPU_TIER, cpu_slot
+        self._demoted.append(key)
         # The demoted snapshot is the CPU tier's most recent arrival.
         cpu.order.touch(key)
         self._demotions += 1
