@@ -29,6 +29,7 @@ import torch
 import xoscar as xo
 
 from ..aio import ActorRefs
+from ..change_log import Location
 from ..config import DEFAULT_TRANSPORT, TRANSPORTS, transfer_actor_uid
 from ..engine.blocks import BlockMajorCache
 from ..engine.device import (
@@ -47,7 +48,6 @@ from ..stats import (
     TransportStats,
     XavierStats,
 )
-from ..change_log import Location
 from ..store.generations import device_locations
 from ..store.tiered import TieredKVSnapshotStore
 from ..transports import create_device_tier_transport
