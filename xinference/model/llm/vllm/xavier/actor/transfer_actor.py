@@ -264,6 +264,7 @@ class XavierTransferActor(xo.StatelessActor):
                 locate_rows=store.locate_device_rows,
                 engine_layers=cache.row_layers,
                 engine_block_axis=layout.block_axis,
+                generation_words=store.generations.words,
             ),
         )
         self._mapped = _Mapped(

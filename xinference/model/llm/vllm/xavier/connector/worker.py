@@ -38,6 +38,7 @@ from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
 from ..hashing import BlockHash
 from ..wire import LoadResult, ReplicaIdentity, StageItem
+from .direct_reads import DirectReads, DirectReadsFactory, load_lease_free
 from .staging_ring import StagingRing
 from .step import RequestLoad, StepMetadata
 
@@ -108,8 +109,12 @@ class WorkerSide:
         settings: WorkerSettings,
         loop: BackgroundLoop,
         actor_factory: ActorFactory,
+        direct_reads: DirectReadsFactory | None = None,
     ) -> None:
         self._settings = settings
+        # lease-free synchronous loads, READ from this process (direct_reads.py)
+        self._direct_reads_factory = direct_reads
+        self._direct: DirectReads | None = None
         self._loop = loop
         self._actor_factory = actor_factory
         self._actor: Any = None
@@ -152,6 +157,8 @@ class WorkerSide:
         self._kv_caches = list(kv_caches)
         self._handles = device.export_tensors(self._kv_caches)
         self._make_staging_ring()
+        if self._direct_reads_factory is not None:
+            self._direct = self._direct_reads_factory(self._kv_caches)
         self._try_mapping()
 
     def _make_staging_ring(self) -> None:
@@ -281,8 +288,22 @@ class WorkerSide:
         for item in loads:
             assert item.load is not None
             self._in_flight[item.load.load_id] = _InFlightLoad(
-                item.req_id, item.load.dst_block_ids, not item.is_async(default)
+                item.req_id,
+                item.load.dst_block_ids,
+                not item.is_async(default),
+                round_trips=0 if item.load.grant.lease_free else 1,
             )
+        lease_free = [i for i in loads if i.load and i.load.grant.lease_free]
+        if lease_free:  # READ here, no actor call (direct_reads.py)
+            for load_id, error in load_lease_free(self._direct, lease_free).items():
+                self._load_ended(load_id, error)
+            loads = [i for i in loads if i not in lease_free]
+        if self._direct is not None:
+            for item in loads:  # meet holders ahead of their lease-free loads
+                assert item.load is not None
+                self._direct.prepare(
+                    item.load.grant.holder_rank, item.load.holder_address
+                )
         started = [i.load for i in loads if i.is_async(default) and i.load]
         if started:
             self._run_actor(self._start_all(started), self._settings.rpc_timeout_s)
@@ -614,6 +635,8 @@ class WorkerSide:
             if self._actor is not None and self._in_flight:
                 await self._cancel_all(list(self._in_flight))
             self._in_flight.clear()
+            if self._direct is not None:
+                await self._direct.close()
 
         try:
             self._loop.run(shut(), self._settings.rpc_timeout_s * 2)
