@@ -13,11 +13,16 @@ from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
 
 from . import test_scheduler as base
-from .test_fast_path import DeviceHolder, policy
+from .test_fast_path import DeviceHolder
+from .test_fast_path import policy as sync_policy
 from .test_scheduler import BS, HOLDER, LOADER, NS, make_side
 
 loop = base.loop
 tracker = base.tracker
+
+
+def policy(**overrides):
+    return sync_policy(**{"lease_free": True, **overrides})
 
 
 def mirrored_side(loop, tracker, holder, rule):
@@ -99,3 +104,14 @@ def test_a_dropped_lease_free_answer_releases_nothing(loop, tracker):
     side.request_finished("r")
     side.flush(1.0)
     assert holder.reserved == [] and holder.released == []
+
+
+def test_no_lease_free_grant_where_the_worker_cannot_read_it(loop, tracker):
+    """With another transport than NIXL the worker has no agent of its own: a
+    located hit reserves (a lease-free grant would only fail and recompute)."""
+    holder = DeviceHolder()
+    side, sync = mirrored_side(loop, tracker, holder, policy(lease_free=False))
+    publish_located(tracker, holder, list(range(16)), located=True)
+    sync()
+    assert side.num_new_matched_tokens("r", list(range(16)), 0) == (3 * BS, False)
+    assert len(holder.reserved) == 1 and side.stats["lease_free_answers"] == 0

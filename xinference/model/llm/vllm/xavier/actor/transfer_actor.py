@@ -358,17 +358,27 @@ class XavierTransferActor(xo.StatelessActor):
                 )
             finally:
                 store = mapped.store
+                demoted = store.take_demoted()
                 self._tell_tracker(
                     keys_added=[],
                     keys_dropped=store.take_dropped(),
-                    located=device_locations(store, store.take_demoted()),
+                    located=self._locations(mapped, demoted, only_held=False),
                 )
             self._tell_tracker(
                 keys_added=keys,
                 keys_dropped=[],
-                located=device_locations(store, keys, only_held=True),
+                located=self._locations(mapped, keys, only_held=True),
             )
             return len(keys)
+
+    def _locations(
+        self, mapped: _Mapped, keys: Sequence[BlockHash], only_held: bool
+    ) -> list[Location]:
+        """Device-tier locations to publish for lease-free readers; none when
+        peers cannot READ this holder's generation words."""
+        if not keys or not getattr(mapped.transport, "serves_generation_words", False):
+            return []
+        return device_locations(mapped.store, keys, only_held=only_held)
 
     def _tell_tracker(
         self,

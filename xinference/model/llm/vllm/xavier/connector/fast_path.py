@@ -79,6 +79,9 @@ class SyncLoadPolicy:
     bytes_per_s: float = 1e9  # a conservative copy rate on one host
     max_s: float = MAX_BOUND_S
     backoff_s: float = 30.0
+    # the worker READs lease-free grants itself (NIXL between the actors): a hit
+    # whose locations were published needs no reservation (``lease_free.py``)
+    lease_free: bool = False
     # holder address -> monotonic time until which its hits load asynchronously
     _backed_off: dict[str, float] = field(default_factory=dict)
     # holders a load already succeeded from: the first load from a peer also

@@ -39,7 +39,9 @@ def lease_free_reservation(
 ) -> Reservation | None:
     """A lease-free grant for the blocks of ``keys`` beyond ``local_blocks``
     that a peer holds, or None (no hit, no locations, or not synchronous)."""
-    if mirror is None or policy is None or not policy.enabled or not mirror.ready:
+    if mirror is None or policy is None or not policy.lease_free:
+        return None
+    if not policy.enabled or not mirror.ready:
         return None
     hit = mirror.query(rank, keys)
     if hit is None or hit.num_blocks <= local_blocks:

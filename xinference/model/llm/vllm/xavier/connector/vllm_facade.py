@@ -175,6 +175,7 @@ class XavierConnector(KVConnectorBase_V1):
                     enabled=fast_path_enabled(),
                     host=address_host(options.transfer_address),
                     base_s=fast_path_base_s(),
+                    lease_free=options.config.transport == "nixl",
                 ),
             )
             mirror = TrackerMirror(

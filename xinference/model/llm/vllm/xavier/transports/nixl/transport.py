@@ -203,6 +203,15 @@ class NixlDirectTransport:
         return self._endpoint
 
     @property
+    def serves_generation_words(self) -> bool:
+        """Whether peers can READ this holder's generation words (registered
+        with its device tier): only then are lease-free reads of it safe."""
+        try:
+            return self._endpoint.info.words is not None
+        except RuntimeError:  # closed: nothing is served any more
+            return False
+
+    @property
     def placement(self) -> str:
         return self._placement
 
