@@ -290,17 +290,28 @@ class DirectReads:
 DirectReadsFactory = Callable[[list[torch.Tensor]], DirectReads | None]
 
 
-def load_lease_free(
+def run_lease_free(
     direct: DirectReads | None, items: Sequence[RequestLoad]
-) -> dict[str, str | None]:
-    """The worker's hook: ``DirectReads.load_now`` within the largest of the
-    items' bounds, or every load failed when this process has no agent (vLLM
+) -> tuple[dict[str, str | None], list[RequestLoad]]:
+    """The worker's hook, with this step's planned loads: loads the lease-free
+    ones here, within the largest of their bounds (per load id, None or why it
+    failed), and returns the others, whose holders it meets meanwhile for later
+    lease-free loads. Without an agent every lease-free load fails (vLLM
     recomputes; never the actor's path, which does not check generations)."""
-    requests = [item.load for item in items if item.load is not None]
+    lease_free = [i for i in items if i.load is not None and i.load.grant.lease_free]
+    rest = [i for i in items if i.load is not None and not i.load.grant.lease_free]
+    if direct is not None:
+        for item in rest:
+            assert item.load is not None
+            direct.prepare(item.load.grant.holder_rank, item.load.holder_address)
+    requests = [item.load for item in lease_free if item.load is not None]
+    if not requests:
+        return {}, rest
     if direct is None:
-        return {r.load_id: "no NIXL agent in the engine process" for r in requests}
-    bound_s = max((item.bound_s or 0.0) for item in items)
-    return direct.load_now(requests, bound_s)
+        failed = "no NIXL agent in the engine process"
+        return {r.load_id: failed for r in requests}, rest
+    bound_s = max((item.bound_s or 0.0) for item in lease_free)
+    return direct.load_now(requests, bound_s), rest
 
 
 def direct_reads_factory(

@@ -36,10 +36,9 @@ from ..aio import BackgroundLoop, with_deadline
 from ..engine import device
 from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
-from ..hashing import BlockHash
 from ..wire import LoadResult, ReplicaIdentity, StageItem
-from .direct_reads import DirectReads, DirectReadsFactory, load_lease_free
-from .staging_ring import StagingRing
+from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
+from .staging_ring import RingStaging, StagingRing
 from .step import RequestLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
@@ -79,21 +78,6 @@ class _InFlightLoad:
     # actor calls on this load's critical path: start_load, each wait or poll
     # until its result came, and the actor's own calls on the holder
     round_trips: int = 1
-
-
-@dataclass(slots=True)
-class _RingStaging:
-    """Blocks copied into ring slots, until the actor has copied them out.
-
-    Handed to the actor (``future`` set) only once the copies into the ring have
-    completed on the device, which the engine's thread checks without blocking at
-    each step: no thread waits on the device for it, and the background loop only
-    makes the call (its Python competes with the engine's thread for the GIL)."""
-
-    slots: list[int]
-    keys: list[BlockHash]
-    copied: device.DeviceWorkMark
-    future: concurrent.futures.Future[None] | None = None
 
 
 # Returns this replica's transfer actor (an xoscar actor ref, or a test object with
@@ -138,7 +122,7 @@ class WorkerSide:
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
-        self._ring_stagings: collections.deque[_RingStaging] = collections.deque()
+        self._ring_stagings: collections.deque[RingStaging] = collections.deque()
         self.ring_skipped_blocks = 0  # blocks not staged: every ring slot was retired
 
     # ---- mapping ----------------------------------------------------------------
@@ -293,17 +277,10 @@ class WorkerSide:
                 not item.is_async(default),
                 round_trips=0 if item.load.grant.lease_free else 1,
             )
-        lease_free = [i for i in loads if i.load and i.load.grant.lease_free]
-        if lease_free:  # READ here, no actor call (direct_reads.py)
-            for load_id, error in load_lease_free(self._direct, lease_free).items():
-                self._load_ended(load_id, error)
-            loads = [i for i in loads if i not in lease_free]
-        if self._direct is not None:
-            for item in loads:  # meet holders ahead of their lease-free loads
-                assert item.load is not None
-                self._direct.prepare(
-                    item.load.grant.holder_rank, item.load.holder_address
-                )
+        # lease-free loads: READ here, no actor call (direct_reads.py)
+        outcomes, loads = run_lease_free(self._direct, loads)
+        for load_id, error in outcomes.items():
+            self._load_ended(load_id, error)
         started = [i.load for i in loads if i.is_async(default) and i.load]
         if started:
             self._run_actor(self._start_all(started), self._settings.rpc_timeout_s)
@@ -545,7 +522,7 @@ class WorkerSide:
         copied = device.DeviceWorkMark(self._ring.rows.device)
         copied.mark()
         keys = [item.key for item in items]
-        self._ring_stagings.append(_RingStaging(slots, keys, copied))
+        self._ring_stagings.append(RingStaging(slots, keys, copied))
         self._hand_over_ring_stagings()
 
     def _hand_over_ring_stagings(self, wait_for_oldest: bool = False) -> None:
