@@ -12,7 +12,9 @@ Per request it
    while the mirror is not ready), and reserves leases on the holder's snapshots:
    no round trip for a prompt nobody holds, one for a hit. A holder slower than a
    few milliseconds does not hold the scheduler up: vLLM is told to ask again, and
-   the answer is taken on a later pass (the calls to peers: ``reservations.py``);
+   the answer is taken on a later pass (the calls to peers: ``reservations.py``).
+   A synchronous hit whose locations the holder published is granted here, with
+   no call at all (``lease_free.py``);
 3. after vLLM allocated destination blocks, turns the reservation into a load;
 4. each step, names the blocks that became full, to stage and publish them: prompt
    blocks, blocks of generated tokens (a later turn of the conversation, on another
