@@ -200,3 +200,21 @@ async def test_a_stopped_holder_costs_the_bound_and_writes_nothing_afterwards(
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()
+
+
+def test_generation_words_are_planned_one_descriptor_each_within_the_scratch_row():
+    from xinference.model.llm.vllm.xavier.transports.nixl.generation_words import (
+        words_plan,
+    )
+    from xinference.model.llm.vllm.xavier.transports.nixl.wire import NixlRegion
+
+    scratch = NixlRegion("DRAM", 1000, 16, 0)  # two words
+    words = NixlRegion("DRAM", 5000, 8 * 4, 0)  # four slots
+    plan = words_plan(scratch, words, [3, 1])
+    assert plan.remote[:, 0].tolist() == [5000 + 24, 5000 + 8]
+    assert plan.local[:, 0].tolist() == [1000, 1008]
+    assert plan.nbytes == 16
+    with pytest.raises(ValueError, match="do not fit"):
+        words_plan(scratch, words, [0, 1, 2])
+    with pytest.raises(ValueError, match="outside"):
+        words_plan(scratch, words, [4])

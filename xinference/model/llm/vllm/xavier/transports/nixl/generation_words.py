@@ -65,19 +65,25 @@ async def read_words(
     slots: Sequence[int],
     timeout_s: float,
 ) -> list[int]:
-    """The holder's generation words of ``slots``, as they are now. The caller
-    keeps every other READ into the scratch row away meanwhile (peer checks)."""
+    """The holder's generation words of ``slots``, as they are now, one READ per
+    scratch row's worth of words. The caller keeps every other READ into the
+    scratch row away meanwhile (peer checks)."""
     if peer.words is None:
         raise NixlTransferError(f"peer {peer.agent_name} publishes no generation words")
     scratch = endpoint.probe
-    plan = words_plan(NixlRegion.of(scratch), peer.words, slots)
-    await endpoint.read(
-        peer.agent_name,
-        plan,
-        local_mem_type=NixlRegion.of(scratch).mem_type,
-        remote_mem_type=peer.words.mem_type,
-        timeout_s=timeout_s,
-        destination=DEST_PROBE,
-    )
-    landed = scratch[: len(slots) * WORD_BYTES]
-    return landed.cpu().view(torch.int64).tolist()
+    region = NixlRegion.of(scratch)
+    per_read = region.nbytes // WORD_BYTES
+    words: list[int] = []
+    for start in range(0, len(slots), per_read):
+        part = slots[start : start + per_read]
+        await endpoint.read(
+            peer.agent_name,
+            words_plan(region, peer.words, part),
+            local_mem_type=region.mem_type,
+            remote_mem_type=peer.words.mem_type,
+            timeout_s=timeout_s,
+            destination=DEST_PROBE,
+        )
+        landed = scratch[: len(part) * WORD_BYTES]
+        words.extend(landed.cpu().view(torch.int64).tolist())
+    return words
