@@ -28,6 +28,7 @@ of the region, shared memory on one host).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -44,8 +45,12 @@ class SlotGenerations:
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
             raise ValueError(f"num_slots must be non-negative, got {num_slots}")
-        # 0: never written (even, and no published generation is 0)
-        self.words = torch.zeros(num_slots, dtype=WORD_DTYPE)
+        # Every word starts at one even value taken from the clock: a holder
+        # that restarted (a new store in the same slots) never publishes a
+        # generation its previous incarnation published, so a location left
+        # over from before cannot match by chance.
+        start = max(2, time.time_ns() // 2 * 2)
+        self.words = torch.full((num_slots,), start, dtype=WORD_DTYPE)
         self._view = self.words.numpy()  # plain stores, no torch dispatch per call
 
     @property
@@ -78,7 +83,8 @@ class SlotGenerations:
 
 
 def is_stable(generation: int) -> bool:
-    """Whether ``generation`` names a published snapshot (even, not 0)."""
+    """Whether ``generation`` can name a published snapshot (even, not 0: 0
+    is what a location that left the device tier carries)."""
     return generation > 0 and generation % 2 == 0
 
 
