@@ -142,9 +142,10 @@ async def test_replicas_send_one_packed_update_per_send_logged_as_sent():
     sent: list[tuple[str, int, object]] = []
 
     class Recording:
-        async def update_blocks(self, rank, dropped, added):
+        async def update_blocks(self, rank, dropped, added, located=b""):
+            assert located == b""  # these updates locate nothing
             sent.append((rank, dropped, added))
-            tracker.update_blocks(rank, dropped, added)
+            tracker.update_blocks(rank, dropped, added, located)
 
     async def no_deadline(call):
         return await call
@@ -185,3 +186,29 @@ def test_the_rank_bit_index_keeps_the_prefix_rule_for_any_rank():
     assert index._holders == {}  # no empty entries left behind
     with pytest.raises(ValueError):
         index.add(-1, KEYS[:1])
+
+
+def test_locate_records_round_trip_and_count_their_keys():
+    from xinference.model.llm.vllm.xavier.change_log import (
+        ChangeLog,
+        decode,
+        decode_changes,
+        encode,
+        pack_locations,
+        unpack_locations,
+    )
+    from xinference.model.llm.vllm.xavier.wire import IndexChange
+
+    keys = [bytes([i]) * 16 for i in range(3)]
+    located = [(k, 10 * i, 2 * i + 2) for i, k in enumerate(keys)]
+    record = encode(IndexChange.LOCATE, 5, pack_locations(located))
+    record += encode(IndexChange.REMOVE, 5, b"".join(keys[:1]))
+    (op, rank, packed), removed = list(decode(record))
+    assert (op, rank) == (IndexChange.LOCATE, 5)
+    assert unpack_locations(packed) == located
+    assert removed[0] == IndexChange.REMOVE and removed[2] == keys[0]
+    assert decode_changes(record)[0] == IndexChange(IndexChange.LOCATE, 5, tuple(keys))
+    log = ChangeLog(max_keys=3)
+    log.append(1, encode(IndexChange.LOCATE, 5, pack_locations(located)))
+    log.append(2, encode(IndexChange.ADD, 5, b"".join(keys[:1])))
+    assert not log.reaches(0)  # 4 keys logged: the LOCATE record (3) fell out

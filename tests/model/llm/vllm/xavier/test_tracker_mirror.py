@@ -262,3 +262,46 @@ async def test_a_stopped_mirror_leaves_at_once_when_the_tracker_wakes_it(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_mirror_learns_where_device_tier_keys_are():
+    """Locations travel with the keys (``LOCATE`` records) for lease-free reads;
+    a drop, a move out of the device tier, a forgotten holder or a snapshot reset
+    takes them away, so the mirror never offers a location it was told is gone."""
+    from xinference.model.llm.vllm.xavier.change_log import pack_keys, pack_locations
+
+    tracker = fresh_tracker()
+    mirror = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(0, since, wait), rpc_timeout_s=1
+    )
+
+    async def sync() -> None:
+        mirror.apply(await poll(tracker, 0, mirror.version))
+
+    await sync()
+    located = [(k, 3 * i, 2 * i + 2) for i, k in enumerate(KEYS[:3])]
+    tracker.update_blocks(1, b"", pack_keys(KEYS[:3]), pack_locations(located))
+    await sync()
+    assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 3)
+    assert mirror.locate(1, KEYS[:3]) == [(0, 2), (3, 4), (6, 6)]
+    assert mirror.locate(2, KEYS[:1]) is None
+    # key 1 left the device tier (demoted): no location, so no lease-free read
+    tracker.update_blocks(1, b"", b"", pack_locations([(KEYS[1], 0, 0)]))
+    await sync()
+    assert mirror.locate(1, KEYS[:1]) == [(0, 2)]
+    assert mirror.locate(1, KEYS[:2]) is None
+    tracker.update_blocks(1, pack_keys(KEYS[:1]), b"")  # dropped
+    await sync()
+    assert mirror.locate(1, KEYS[:1]) is None
+    assert mirror.locate(1, KEYS[2:3]) == [(6, 6)]
+    tracker.forget_replica(1)
+    await sync()
+    assert mirror.locate(1, KEYS[2:3]) is None
+    # a mirror that starts from a snapshot has no locations (the tracker keeps none)
+    tracker.update_blocks(2, b"", pack_keys(KEYS[:1]), pack_locations(located[:1]))
+    fresh = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(0, since, wait), rpc_timeout_s=1
+    )
+    fresh.apply(await poll(tracker, 0, -1))
+    assert fresh.query(0, KEYS[:1]) == PrefixHit(2, "nixl://c", 1)
+    assert fresh.locate(2, KEYS[:1]) is None

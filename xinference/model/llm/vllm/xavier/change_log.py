@@ -8,7 +8,9 @@ once, when it is logged, as a record:
 
     op (1 byte)  rank (int32)  count (uint32)  count keys of KEY_BYTES each
 
-all little-endian, and a mirror's answer is the concatenation of the records after
+all little-endian (a ``LOCATE`` record carries, per key, the key, then its
+device-tier row and generation as int64: where a lease-free reader finds it, see
+``store/generations.py``), and a mirror's answer is the concatenation of the records after
 its version: one ``bytes`` object, joined once per version range and handed to every
 mirror that asks for that range (mirrors woken by the same change ask for the same
 one). Replicas send their keys packed the same way (``pack_keys``), so that the
@@ -26,7 +28,10 @@ from .wire import IndexChange, TrackerChanges
 
 KEY_BYTES = 16  # a BlockHash
 _HEADER = struct.Struct("<BiI")
-_OPS = (IndexChange.ADD, IndexChange.REMOVE, IndexChange.FORGET)
+_LOCATION = struct.Struct("<qq")  # device-tier row, generation (0: not there)
+LOCATION_BYTES = KEY_BYTES + _LOCATION.size
+_OPS = (IndexChange.ADD, IndexChange.REMOVE, IndexChange.FORGET, IndexChange.LOCATE)
+_ENTRY_BYTES = (KEY_BYTES, KEY_BYTES, KEY_BYTES, LOCATION_BYTES)
 _OP_CODES = {op: code for code, op in enumerate(_OPS)}
 
 # keys of one update: a sequence of BlockHash, or those keys packed (``pack_keys``)
@@ -50,10 +55,37 @@ def unpack_keys(packed: bytes) -> list[BlockHash]:
     return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 
 
+# (key, device-tier row of its layer 0, generation); generation 0: the key left
+# the device tier (a lease-free reader must not use an older location)
+Location = tuple[BlockHash, int, int]
+
+
+def pack_locations(locations: Sequence[Location]) -> bytes:
+    """Locations as one bytes object, LOCATION_BYTES each."""
+    parts = []
+    for key, row, generation in locations:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+        parts.append(key + _LOCATION.pack(row, generation))
+    return b"".join(parts)
+
+
+def unpack_locations(packed: bytes) -> list[Location]:
+    if len(packed) % LOCATION_BYTES:
+        raise ValueError(f"packed locations of {len(packed)} bytes: not whole")
+    out = []
+    for i in range(0, len(packed), LOCATION_BYTES):
+        row, generation = _LOCATION.unpack_from(packed, i + KEY_BYTES)
+        out.append((packed[i : i + KEY_BYTES], row, generation))
+    return out
+
+
 def encode(op: str, rank: int, packed_keys: bytes = b"") -> bytes:
-    """One change as a record (``packed_keys`` as ``pack_keys`` made them)."""
-    count = len(packed_keys) // KEY_BYTES
-    return _HEADER.pack(_OP_CODES[op], rank, count) + packed_keys
+    """One change as a record (``packed_keys`` as ``pack_keys`` made them; for
+    ``LOCATE``, as ``pack_locations`` made them)."""
+    code = _OP_CODES[op]
+    count = len(packed_keys) // _ENTRY_BYTES[code]
+    return _HEADER.pack(code, rank, count) + packed_keys
 
 
 def decode(records: bytes) -> Iterator[tuple[str, int, bytes]]:
@@ -62,8 +94,10 @@ def decode(records: bytes) -> Iterator[tuple[str, int, bytes]]:
     while offset < end:
         code, rank, count = _HEADER.unpack_from(records, offset)
         offset += _HEADER.size
-        stop = offset + count * KEY_BYTES
-        if code >= len(_OPS) or stop > end:
+        if code >= len(_OPS):
+            raise ValueError(f"corrupt change record at byte {offset - _HEADER.size}")
+        stop = offset + count * _ENTRY_BYTES[code]
+        if stop > end:
             raise ValueError(f"corrupt change record at byte {offset - _HEADER.size}")
         yield _OPS[code], rank, records[offset:stop]
         offset = stop
@@ -72,7 +106,15 @@ def decode(records: bytes) -> Iterator[tuple[str, int, bytes]]:
 def decode_changes(records: bytes) -> tuple[IndexChange, ...]:
     """The records as ``IndexChange`` objects (tests, tools; mirrors use ``decode``)."""
     return tuple(
-        IndexChange(op, rank, tuple(unpack_keys(keys)))
+        IndexChange(
+            op,
+            rank,
+            (
+                tuple(entry[0] for entry in unpack_locations(keys))
+                if op == IndexChange.LOCATE
+                else tuple(unpack_keys(keys))
+            ),
+        )
         for op, rank, keys in decode(records)
     )
 
@@ -131,4 +173,4 @@ class ChangeLog:
 
 
 def _keys_in(record: bytes) -> int:
-    return (len(record) - _HEADER.size) // KEY_BYTES
+    return int(_HEADER.unpack_from(record)[2])

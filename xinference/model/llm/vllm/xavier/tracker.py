@@ -92,13 +92,21 @@ class BlockTrackerActor(xo.StatelessActor):
             return  # the replica was forgotten meanwhile: nothing left to remove
         self._change(IndexChange.REMOVE, rank, pack_keys(keys))
 
-    def update_blocks(self, rank: int, dropped: Keys, added: Keys) -> None:
+    def update_blocks(
+        self, rank: int, dropped: Keys, added: Keys, located: bytes = b""
+    ) -> None:
         """A replica's net update in one call, drops first (what ``TrackerUpdates``
-        sends): at fleet scale the tracker's cost is mostly per call, not per key."""
+        sends): at fleet scale the tracker's cost is mostly per call, not per key.
+        ``located`` (``change_log.pack_locations``): where its device-tier keys
+        are, passed on to the mirrors as received, for lease-free reads. The
+        tracker keeps no locations: a mirror that starts from a snapshot has none
+        until they are published again (its hits then take a lease)."""
         if len(dropped):
             self.unregister_blocks(rank, dropped)
         if len(added):
             self.register_blocks(rank, added)
+        if located and rank in self._addresses:
+            self._change(IndexChange.LOCATE, rank, located)
 
     def query_prefix(self, rank: int, keys: Sequence[BlockHash]) -> PrefixHit | None:
         """Longest contiguous run of leading ``keys`` held by one replica != ``rank``,
@@ -211,7 +219,7 @@ class BlockTrackerActor(xo.StatelessActor):
             self._index.add(rank, unpack_keys(packed_keys), self._version)
         elif op == IndexChange.REMOVE:
             self._index.remove(rank, unpack_keys(packed_keys))
-        else:
+        elif op == IndexChange.FORGET:
             self._index.forget(rank)
         self._log.append(self._version, encode(op, rank, packed_keys))
         self.wake_mirrors()

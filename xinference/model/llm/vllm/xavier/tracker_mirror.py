@@ -11,6 +11,11 @@ It may lag the tracker by one poll: a prefix published a moment ago may look abs
 (the holder's reservation then grants less, or nothing). Neither loads wrong KV.
 Until its first answer arrives, and after a failed poll until the next one succeeds,
 the mirror is not ``ready`` and the caller asks the tracker instead.
+
+It also keeps where each holder's device-tier keys are (row and generation, from
+``LOCATE`` records), for lease-free reads: a location may be stale too, which the
+reader finds out from the generation word it reads back after the data
+(``store/generations.py``), never from the data itself.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 from .aio import with_deadline
-from .change_log import decode, unpack_keys
+from .change_log import decode, unpack_keys, unpack_locations
 from .hashing import BlockHash
 from .prefix_index import PrefixIndex
 from .wire import IndexChange, PrefixHit, TrackerChanges
@@ -50,6 +55,8 @@ class TrackerMirror:
         self._lock = threading.Lock()
         self._index = PrefixIndex()
         self._addresses: dict[int, str] = {}
+        # rank -> key -> (device-tier row, generation) as last published
+        self._locations: dict[int, dict[BlockHash, tuple[int, int]]] = {}
         self._version = -1  # -1: nothing applied, the next poll asks for everything
         self._ready = False
         self._stopping = False
@@ -75,6 +82,20 @@ class TrackerMirror:
         if address is None:
             return None  # a holder whose address has not arrived yet
         return PrefixHit(rank=holder, address=address, num_blocks=depth)
+
+    def locate(
+        self, rank: int, keys: Sequence[BlockHash]
+    ) -> list[tuple[int, int]] | None:
+        """``(row, generation)`` of each of ``keys`` in ``rank``'s device tier as
+        last published, or None unless every key has one."""
+        with self._lock:
+            known = self._locations.get(rank)
+            if known is None:
+                return None
+            found = [known.get(key) for key in keys]
+        if any(location is None for location in found):
+            return None
+        return found  # type: ignore[return-value]
 
     def stop(self) -> None:
         """``run`` returns when its current poll ends (the caller may end it at
@@ -116,21 +137,41 @@ class TrackerMirror:
         with self._lock:
             if changes.reset:
                 self._index.clear()
+                self._locations.clear()
             for change in changes.changes:
                 if change.op == IndexChange.ADD:
                     self._index.add(change.rank, change.keys)
                 elif change.op == IndexChange.REMOVE:
-                    self._index.remove(change.rank, change.keys)
-                else:
+                    self._remove(change.rank, change.keys)
+                elif change.op == IndexChange.FORGET:
                     self._index.forget(change.rank)
-            for op, rank, packed_keys in decode(changes.packed):
+                    self._locations.pop(change.rank, None)
+            for op, rank, packed in decode(changes.packed):
                 if op == IndexChange.ADD:
-                    self._index.add(rank, unpack_keys(packed_keys))
+                    self._index.add(rank, unpack_keys(packed))
                 elif op == IndexChange.REMOVE:
-                    self._index.remove(rank, unpack_keys(packed_keys))
+                    self._remove(rank, unpack_keys(packed))
+                elif op == IndexChange.LOCATE:
+                    self._locate(rank, packed)
                 else:
                     self._index.forget(rank)
+                    self._locations.pop(rank, None)
             self._addresses = dict(changes.addresses)
             self._version = changes.version
         self.polls += 1
         self._ready = True
+
+    def _remove(self, rank: int, keys: Sequence[BlockHash]) -> None:
+        self._index.remove(rank, keys)
+        known = self._locations.get(rank)
+        if known:
+            for key in keys:
+                known.pop(key, None)
+
+    def _locate(self, rank: int, packed: bytes) -> None:
+        known = self._locations.setdefault(rank, {})
+        for key, row, generation in unpack_locations(packed):
+            if generation:
+                known[key] = (row, generation)
+            else:  # it left the device tier
+                known.pop(key, None)

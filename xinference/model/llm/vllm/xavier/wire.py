@@ -82,10 +82,16 @@ class LeaseGrant:
     # What the holder's transport tells the loader's (see TransportHint); None
     # when the transport needs nothing from the grant.
     transport_hint: TransportHint | None = None
+    # Lease-free (nothing pinned on the holder; made by the loader from the
+    # published locations): the generation each key's slot must still have when
+    # read back after the data (``store/generations.py``). None: a leased grant.
+    generations: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.keys) == len(self.tiers) == len(self.logical_dtypes)):
             raise ValueError("keys, tiers and logical_dtypes must have equal lengths")
+        if self.generations is not None and len(self.generations) != len(self.keys):
+            raise ValueError("a lease-free grant needs one generation per key")
         hint = self.transport_hint
         if hint is not None and len(hint.per_key) != len(self.keys):
             raise ValueError("a transport hint must have one entry per granted key")
@@ -101,7 +107,14 @@ class LeaseGrant:
             tiers=self.tiers[:num_keys],
             logical_dtypes=self.logical_dtypes[:num_keys],
             transport_hint=None if hint is None else hint.narrowed(range(num_keys)),
+            generations=(
+                None if self.generations is None else self.generations[:num_keys]
+            ),
         )
+
+    @property
+    def lease_free(self) -> bool:
+        return self.generations is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +178,9 @@ class IndexChange:
     ADD = "add"
     REMOVE = "remove"
     FORGET = "forget"
+    # where ``rank`` keeps published device-tier keys (the change log's records
+    # carry the rows and generations); changes no holder
+    LOCATE = "locate"
 
     op: str
     rank: int

@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.actor.tracker_updates import net_tracker_change
+from xinference.model.llm.vllm.xavier.actor.tracker_updates import (
+    net_locations,
+    net_tracker_change,
+)
 from xinference.model.llm.vllm.xavier.actor.transfer_actor import TransferActorConfig
 from xinference.model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 from xinference.model.llm.vllm.xavier.engine.layout import (
@@ -459,15 +462,17 @@ def test_queued_tracker_updates_are_sent_as_their_net_change():
     up as its last update left it (the drops of an update precede its adds)."""
     a, b, c, d = prompt_keys(4, salt=11)
     updates = [
-        ([a, b], []),
-        ([c], [a]),  # a dropped to make room for c
-        ([a], [b]),  # a staged again, b dropped
-        ([], [d]),  # d was registered by an earlier send
+        ([a, b], [], [(a, 0, 2), (b, 2, 2)]),
+        ([c], [a], [(c, 0, 4)]),  # a dropped to make room for c
+        ([a], [b], [(a, 2, 4)]),  # a staged again, b dropped
+        ([], [d], []),  # d was registered by an earlier send
     ]
     added, dropped = net_tracker_change(updates)
     assert added == [c, a]
     assert dropped == [b, d]
-    assert net_tracker_change([([a], [a])]) == ([a], [])
+    # each key's last location (the tracker drops b's with b)
+    assert net_locations(updates) == [(a, 2, 4), (b, 2, 2), (c, 0, 4)]
+    assert net_tracker_change([([a], [a], [])]) == ([a], [])
     assert net_tracker_change([]) == ([], [])
 
 

@@ -158,3 +158,37 @@ def test_a_bounded_load_whose_call_failed_is_fenced_and_recomputed(loop):
     assert worker.get_block_ids_with_load_errors() == {5, 6}
     assert worker.get_finished(set()) == (None, None)
     loop.run(_set(transport.go_on), 5)
+
+
+def test_a_lease_free_load_never_goes_to_the_actor(loop):
+    """A lease-free grant pins nothing on its holder and only the engine
+    process's reader checks its generations: with no reader it is reported
+    failed (vLLM recomputes it), without an actor call, counted 0 round trips;
+    the leased load of the same step still goes through the actor."""
+    import dataclasses
+
+    holder, published = loop.run(staged_holder(4, device_slots=4), 30)
+    runner, target, _ = runner_for(holder, FakeTransport())
+    actor = InProcessActor(runner)
+    worker = worker_with(loop, actor)
+    identity = holder.engine.identity()
+    leased = holder.leases.grant(published[2:], "lease-leased", identity)
+    unpinned = dataclasses.replace(
+        holder.leases.grant(published[:2], "lease-free-x", identity),
+        generations=(2, 2),
+    )
+    holder.leases.release("lease-free-x")  # nothing stays pinned
+    step = StepMetadata(
+        loads=(
+            bounded("free", request(unpinned, [10, 11], "load-free"), 2.0),
+            bounded("leased", request(leased, [20, 21], "load-leased"), 2.0),
+        ),
+        load_async=True,
+    )
+    worker.start_load_kv(step)
+    assert worker.get_block_ids_with_load_errors() == {10, 11}
+    assert actor.calls == ["load_now"]  # the leased one only
+    assert worker.take_round_trips() == {"free": 0, "leased": 2}
+    # and the actor refuses one outright, should it ever be handed one
+    with pytest.raises(ValueError, match="lease-free"):
+        loop.run(runner.start(request(unpinned, [12, 13], "load-direct")), 5)

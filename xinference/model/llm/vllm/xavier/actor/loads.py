@@ -297,6 +297,9 @@ class LoadRunner:
         layout = self._cache.layout
         if req.load_id in self._loads or req.load_id in self._results:
             raise ValueError(f"load id {req.load_id!r} is already in use")
+        if req.grant.lease_free:
+            # nothing pins its snapshots, and this path reads no generations
+            raise ValueError(f"load {req.load_id!r} is lease-free: not loaded here")
         for key, tier, dtype in zip(
             req.grant.keys, req.grant.tiers, req.grant.logical_dtypes, strict=True
         ):

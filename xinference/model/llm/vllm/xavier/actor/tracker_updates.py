@@ -14,14 +14,14 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ..change_log import pack_keys
+from ..change_log import Location, pack_keys, pack_locations
 from ..hashing import BlockHash
 from ..stats import ActorCounters
 
 logger = logging.getLogger(__name__)
 
-# (added, dropped) keys of one update
-Update = tuple[Sequence[BlockHash], Sequence[BlockHash]]
+# (added, dropped) keys of one update, and where device-tier keys now are
+Update = tuple[Sequence[BlockHash], Sequence[BlockHash], Sequence[Location]]
 
 
 class TrackerUpdates:
@@ -43,14 +43,18 @@ class TrackerUpdates:
         self._sending: set[asyncio.Task[None]] = set()
 
     def tell(
-        self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
+        self,
+        keys_added: list[BlockHash],
+        keys_dropped: list[BlockHash],
+        located: Sequence[Location] = (),
     ) -> asyncio.Task[None] | None:
         """Queue an update; the task that sends it (None: nothing to send).
         Updates reach the tracker in the order queued, so a key dropped and staged
-        again ends up registered."""
-        if not keys_added and not keys_dropped:
+        again ends up registered. ``located``: device-tier rows and generations
+        (generation 0: the key left the device tier), for lease-free reads."""
+        if not keys_added and not keys_dropped and not located:
             return None
-        self._queue.append((keys_added, keys_dropped))
+        self._queue.append((keys_added, keys_dropped, located))
         task = asyncio.create_task(self._send())
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
@@ -70,13 +74,17 @@ class TrackerUpdates:
             if not self._queue:
                 return
             keys_added, keys_dropped = net_tracker_change(self._queue)
+            located = net_locations(self._queue)
             self._queue.clear()
             try:
                 # One call, packed keys: the tracker's cost is mostly per call,
                 # and it logs the bytes as they arrive.
                 await self._deadline(
                     self.tracker.update_blocks(
-                        self._rank, pack_keys(keys_dropped), pack_keys(keys_added)
+                        self._rank,
+                        pack_keys(keys_dropped),
+                        pack_keys(keys_added),
+                        pack_locations(located),
                     )
                 )
             except Exception as exc:  # logged and counted; see below
@@ -101,7 +109,7 @@ def net_tracker_change(
     them, keys whose last update dropped them). Within one update the drops come
     first (the store dropped them to make room for the additions)."""
     last: dict[BlockHash, bool] = {}  # key -> added by its last update
-    for added, dropped in updates:
+    for added, dropped, _ in updates:
         for key in dropped:
             last.pop(key, None)
             last[key] = False
@@ -112,3 +120,12 @@ def net_tracker_change(
         [key for key, was_added in last.items() if was_added],
         [key for key, was_added in last.items() if not was_added],
     )
+
+
+def net_locations(updates: Sequence[Update]) -> list[Location]:
+    """Each located key's last location over ``updates``."""
+    last: dict[BlockHash, Location] = {}
+    for _, _, located in updates:
+        for location in located:
+            last[location[0]] = location
+    return list(last.values())

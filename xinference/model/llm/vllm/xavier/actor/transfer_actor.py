@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ import torch
 import xoscar as xo
 
 from ..aio import ActorRefs
+from ..change_log import Location
 from ..config import DEFAULT_TRANSPORT, TRANSPORTS, transfer_actor_uid
 from ..engine.blocks import BlockMajorCache
 from ..engine.device import (
@@ -47,6 +48,7 @@ from ..stats import (
     TransportStats,
     XavierStats,
 )
+from ..store.generations import device_locations
 from ..store.tiered import TieredKVSnapshotStore
 from ..transports import create_device_tier_transport
 from ..transports.base import DeviceTierTransport, HolderOp, TransportContext
@@ -262,6 +264,7 @@ class XavierTransferActor(xo.StatelessActor):
                 locate_rows=store.locate_device_rows,
                 engine_layers=cache.row_layers,
                 engine_block_axis=layout.block_axis,
+                generation_words=store.generations.words,
             ),
         )
         self._mapped = _Mapped(
@@ -354,16 +357,36 @@ class XavierTransferActor(xo.StatelessActor):
                     self._counters,
                 )
             finally:
+                store = mapped.store
+                demoted = store.take_demoted()
                 self._tell_tracker(
-                    keys_added=[], keys_dropped=mapped.store.take_dropped()
+                    keys_added=[],
+                    keys_dropped=store.take_dropped(),
+                    located=self._locations(mapped, demoted, only_held=False),
                 )
-            self._tell_tracker(keys_added=keys, keys_dropped=[])
+            self._tell_tracker(
+                keys_added=keys,
+                keys_dropped=[],
+                located=self._locations(mapped, keys, only_held=True),
+            )
             return len(keys)
 
+    def _locations(
+        self, mapped: _Mapped, keys: Sequence[BlockHash], only_held: bool
+    ) -> list[Location]:
+        """Device-tier locations to publish for lease-free readers; none when
+        peers cannot READ this holder's generation words."""
+        if not keys or not getattr(mapped.transport, "serves_generation_words", False):
+            return []
+        return device_locations(mapped.store, keys, only_held=only_held)
+
     def _tell_tracker(
-        self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
+        self,
+        keys_added: list[BlockHash],
+        keys_dropped: list[BlockHash],
+        located: Sequence[Location] = (),
     ) -> None:
-        task = self._tracker_updates.tell(keys_added, keys_dropped)
+        task = self._tracker_updates.tell(keys_added, keys_dropped, located)
         if task is not None:  # close() waits for it
             self._operations.add(task)
             task.add_done_callback(self._operations.discard)

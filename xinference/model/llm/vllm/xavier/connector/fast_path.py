@@ -12,7 +12,10 @@ snapshot is read through the holder's own process), the holder runs on this host
 rate. The wait itself has a hard bound (``bound_s``); a load past it is reported
 failed (vLLM recomputes its blocks), its writes are fenced off by the loading actor
 before the engine goes on (``LoadRunner.run_bounded``), and its holder is kept off
-the synchronous path for ``backoff_s``. Everything else stays asynchronous.
+the synchronous path for ``backoff_s``. Everything else stays asynchronous. With ``lease_free`` (NIXL between the actors)
+a synchronous hit whose locations the holder published needs no reservation
+either, and the worker READs it from its own agent (``lease_free.py``,
+``direct_reads.py``): no actor round trip on its path.
 
 The synchronous path is opt-in: ``XAVIER_FAST_PATH=1`` in the engine's environment
 turns it on (benchmarks compare both in one run). It stays off by default until it
@@ -79,6 +82,9 @@ class SyncLoadPolicy:
     bytes_per_s: float = 1e9  # a conservative copy rate on one host
     max_s: float = MAX_BOUND_S
     backoff_s: float = 30.0
+    # the worker READs lease-free grants itself (NIXL between the actors): a hit
+    # whose locations were published needs no reservation (``lease_free.py``)
+    lease_free: bool = False
     # holder address -> monotonic time until which its hits load asynchronously
     _backed_off: dict[str, float] = field(default_factory=dict)
     # holders a load already succeeded from: the first load from a peer also

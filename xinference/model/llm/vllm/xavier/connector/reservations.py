@@ -28,6 +28,8 @@ from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity
 
 logger = logging.getLogger(__name__)
 
+# Lease ids of grants made without a reservation (``lease_free.py``)
+LEASE_FREE_PREFIX = "lease-free-"
 # An incompatible holder stays incompatible until redeployed: ask again rarely.
 INCOMPATIBLE_BACKOFF_S = 600.0
 # A reservation still unanswered this long past its deadline means the background
@@ -322,7 +324,10 @@ class Reservations:
             self.release_soon(pending.hit, pending.lease_id)
 
     def release_soon(self, holder: PrefixHit, lease_id: str) -> None:
-        """Release a lease without waiting: the scheduler must not stall on it."""
+        """Release a lease without waiting: the scheduler must not stall on it.
+        A lease-free grant (``lease_free.py``) pinned nothing: no call."""
+        if lease_id.startswith(LEASE_FREE_PREFIX):
+            return
         self._releases = [f for f in self._releases if not f.done()]
         self._releases.append(
             self._loop.submit(self._release_within_deadline(holder, lease_id))

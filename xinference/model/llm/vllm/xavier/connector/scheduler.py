@@ -12,7 +12,9 @@ Per request it
    while the mirror is not ready), and reserves leases on the holder's snapshots:
    no round trip for a prompt nobody holds, one for a hit. A holder slower than a
    few milliseconds does not hold the scheduler up: vLLM is told to ask again, and
-   the answer is taken on a later pass (the calls to peers: ``reservations.py``);
+   the answer is taken on a later pass (the calls to peers: ``reservations.py``).
+   A synchronous hit whose locations the holder published is granted here, with
+   no call at all (``lease_free.py``);
 3. after vLLM allocated destination blocks, turns the reservation into a load;
 4. each step, names the blocks that became full, to stage and publish them: prompt
    blocks, blocks of generated tokens (a later turn of the conversation, on another
@@ -37,6 +39,7 @@ from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
 from ..tracker_mirror import TrackerMirror
 from ..wire import LoadRequest, PrefixHit, ReplicaIdentity, StageItem
 from .fast_path import SyncLoadPolicy
+from .lease_free import lease_free_reservation
 from .reservations import (
     PendingReservation,
     QueryPrefix,
@@ -147,8 +150,10 @@ class SchedulerSide:
             "loads_failed": 0,
             "sync_answers": 0,  # hits answered (n, False) in a GPU-first deployment
             "sync_loads_failed": 0,
+            "lease_free_answers": 0,  # of sync_answers, made with no reservation
             "staged_blocks": 0,
         }
+        self._mirror = mirror
         self._reservations = Reservations(
             rank=settings.rank,
             rpc_timeout_s=settings.rpc_timeout_s,
@@ -227,6 +232,18 @@ class SchedulerSide:
             self._drop_reservation(state)
 
         self.stats["lookups"] += 1
+        lease_free = lease_free_reservation(
+            self._mirror,
+            self._settings.sync_loads if self._settings.load_async else None,
+            self._settings.rank,
+            self._identity,
+            state.keys[:lookup_blocks],
+            local_blocks,
+        )
+        if lease_free is not None:  # no round trip: see lease_free.py
+            self.stats["lease_free_answers"] += 1
+            state.reservation = lease_free
+            return self._answer(state, lease_free)
         mirror_lookups = self.stats["mirror_lookups"]
         pending = self._reservations.start(
             req_id, state.keys[:lookup_blocks], local_blocks, self._identity

@@ -18,11 +18,15 @@ copy per tier (``engine.layout.copy_snapshot_rows``).
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ..engine import device
 from ..engine.blocks import BlockMajorCache
+from ..hashing import BlockHash
 
 
 class StagingRing:
@@ -78,3 +82,18 @@ class StagingRing:
     def retire(self, slots: Sequence[int]) -> None:
         """Never reuse ``slots``: someone may still read them."""
         self.retired += len(slots)
+
+
+@dataclass(slots=True)
+class RingStaging:
+    """Blocks copied into ring slots, until the actor has copied them out.
+
+    Handed to the actor (``future`` set) only once the copies into the ring have
+    completed on the device, which the engine's thread checks without blocking at
+    each step: no thread waits on the device for it, and the background loop only
+    makes the call (its Python competes with the engine's thread for the GIL)."""
+
+    slots: list[int]
+    keys: list[BlockHash]
+    copied: device.DeviceWorkMark
+    future: concurrent.futures.Future[None] | None = None

@@ -47,6 +47,7 @@ from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
+from .direct_reads import direct_reads_factory
 from .engine_time import EngineTime, timed
 from .fast_path import (
     SyncLoadPolicy,
@@ -174,6 +175,7 @@ class XavierConnector(KVConnectorBase_V1):
                     enabled=fast_path_enabled(),
                     host=address_host(options.transfer_address),
                     base_s=fast_path_base_s(),
+                    lease_free=options.config.transport == "nixl",
                 ),
             )
             mirror = TrackerMirror(
@@ -199,7 +201,20 @@ class XavierConnector(KVConnectorBase_V1):
                 load_timeout_s=LOAD_TIMEOUT_RPCS * options.rpc_timeout_s,
                 layout_hint=PACKED_KV_LAYOUT if on_cpu(vllm_config) else None,
             )
-            self._worker = WorkerSide(worker_settings, self._loop, self._transfer_actor)
+            direct_reads = direct_reads_factory(
+                enabled=load_async
+                and fast_path_enabled()
+                and options.config.transport == "nixl",
+                loop=self._loop,
+                num_blocks=kv_cache_config.num_blocks,
+                layout_hint=worker_settings.layout_hint,
+                name=f"{model}-{options.rank}",
+                holder_calls=self._holder_transport_call,
+                rpc_timeout_s=options.rpc_timeout_s,
+            )
+            self._worker = WorkerSide(
+                worker_settings, self._loop, self._transfer_actor, direct_reads
+            )
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -238,6 +253,18 @@ class XavierConnector(KVConnectorBase_V1):
             holder.address, transfer_actor_uid(self._options.model_uid, holder.rank)
         )
         await actor.release(lease_id)
+
+    def _holder_transport_call(self, address: str, rank: int) -> Any:
+        """A call into the transport of the holder ``rank`` at ``address``
+        (the engine-process reads meet their peers with it, off any hit's path)."""
+
+        async def call(op: str, *args: Any) -> Any:
+            actor = await self._refs.get(
+                address, transfer_actor_uid(self._options.model_uid, rank)
+            )
+            return await actor.transport_call(op, *args)
+
+        return call
 
     async def _transfer_actor(self) -> Any:
         return await self._refs.get(

@@ -36,9 +36,9 @@ from ..aio import BackgroundLoop, with_deadline
 from ..engine import device
 from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
-from ..hashing import BlockHash
 from ..wire import LoadResult, ReplicaIdentity, StageItem
-from .staging_ring import StagingRing
+from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
+from .staging_ring import RingStaging, StagingRing
 from .step import RequestLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
@@ -80,21 +80,6 @@ class _InFlightLoad:
     round_trips: int = 1
 
 
-@dataclass(slots=True)
-class _RingStaging:
-    """Blocks copied into ring slots, until the actor has copied them out.
-
-    Handed to the actor (``future`` set) only once the copies into the ring have
-    completed on the device, which the engine's thread checks without blocking at
-    each step: no thread waits on the device for it, and the background loop only
-    makes the call (its Python competes with the engine's thread for the GIL)."""
-
-    slots: list[int]
-    keys: list[BlockHash]
-    copied: device.DeviceWorkMark
-    future: concurrent.futures.Future[None] | None = None
-
-
 # Returns this replica's transfer actor (an xoscar actor ref, or a test object with
 # the same coroutine methods).
 ActorFactory = Callable[[], Awaitable[Any]]
@@ -108,8 +93,12 @@ class WorkerSide:
         settings: WorkerSettings,
         loop: BackgroundLoop,
         actor_factory: ActorFactory,
+        direct_reads: DirectReadsFactory | None = None,
     ) -> None:
         self._settings = settings
+        # lease-free synchronous loads, READ from this process (direct_reads.py)
+        self._direct_reads_factory = direct_reads
+        self._direct: DirectReads | None = None
         self._loop = loop
         self._actor_factory = actor_factory
         self._actor: Any = None
@@ -133,7 +122,7 @@ class WorkerSide:
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
-        self._ring_stagings: collections.deque[_RingStaging] = collections.deque()
+        self._ring_stagings: collections.deque[RingStaging] = collections.deque()
         self.ring_skipped_blocks = 0  # blocks not staged: every ring slot was retired
 
     # ---- mapping ----------------------------------------------------------------
@@ -152,6 +141,8 @@ class WorkerSide:
         self._kv_caches = list(kv_caches)
         self._handles = device.export_tensors(self._kv_caches)
         self._make_staging_ring()
+        if self._direct_reads_factory is not None:
+            self._direct = self._direct_reads_factory(self._kv_caches)
         self._try_mapping()
 
     def _make_staging_ring(self) -> None:
@@ -281,8 +272,15 @@ class WorkerSide:
         for item in loads:
             assert item.load is not None
             self._in_flight[item.load.load_id] = _InFlightLoad(
-                item.req_id, item.load.dst_block_ids, not item.is_async(default)
+                item.req_id,
+                item.load.dst_block_ids,
+                not item.is_async(default),
+                round_trips=0 if item.load.grant.lease_free else 1,
             )
+        # lease-free loads: READ here, no actor call (direct_reads.py)
+        outcomes, loads = run_lease_free(self._direct, loads)
+        for load_id, error in outcomes.items():
+            self._load_ended(load_id, error)
         started = [i.load for i in loads if i.is_async(default) and i.load]
         if started:
             self._run_actor(self._start_all(started), self._settings.rpc_timeout_s)
@@ -524,7 +522,7 @@ class WorkerSide:
         copied = device.DeviceWorkMark(self._ring.rows.device)
         copied.mark()
         keys = [item.key for item in items]
-        self._ring_stagings.append(_RingStaging(slots, keys, copied))
+        self._ring_stagings.append(RingStaging(slots, keys, copied))
         self._hand_over_ring_stagings()
 
     def _hand_over_ring_stagings(self, wait_for_oldest: bool = False) -> None:
@@ -614,6 +612,8 @@ class WorkerSide:
             if self._actor is not None and self._in_flight:
                 await self._cancel_all(list(self._in_flight))
             self._in_flight.clear()
+            if self._direct is not None:
+                await self._direct.close()
 
         try:
             self._loop.run(shut(), self._settings.rpc_timeout_s * 2)

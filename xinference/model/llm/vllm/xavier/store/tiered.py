@@ -31,6 +31,7 @@ from ..engine.layout import copy_snapshot_rows
 from ..hashing import BlockHash
 from ..stats import StoreStats
 from ..wire import CPU_TIER, DEVICE_TIER, KVGeometry
+from .generations import SlotGenerations
 from .tier import Tier
 
 
@@ -60,6 +61,7 @@ class _Snapshot:
     logical_dtype: str
     state: SnapshotState = SnapshotState.STAGING
     written_layers: set[int] = field(default_factory=set)
+    generation: int = 0  # device tier, published: its slot's generation word
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,8 @@ class TieredKVSnapshotStore:
             CPU_TIER, cpu_capacity_blocks, num_layers, row_nbytes, "cpu"
         )
         self._tiers = {DEVICE_TIER: self._device_tier, CPU_TIER: self._cpu_tier}
+        # one word per device slot, for lease-free reads (``generations.py``)
+        self.generations = SlotGenerations(device_slots)
 
         # key -> record, for staging and published snapshots alike.
         self._snapshots: dict[BlockHash, _Snapshot] = {}
@@ -136,6 +140,8 @@ class TieredKVSnapshotStore:
         self._leases: dict[str, _Lease] = {}
         # keys dropped since the last take_dropped(), in drop order.
         self._dropped: list[BlockHash] = []
+        # keys demoted out of the device tier since the last take_demoted()
+        self._demoted: list[BlockHash] = []
 
         self._device_hits = 0
         self._cpu_hits = 0
@@ -228,6 +234,10 @@ class TieredKVSnapshotStore:
                     self._skips += 1
                     continue
                 tier, slot = placement
+                if tier is self._device_tier:
+                    # before anything writes the slot: lease-free readers of its
+                    # previous snapshot see the change
+                    self.generations.begin_rewrite(slot)
                 self._snapshots[key] = _Snapshot(key, tier.name, slot, logical_dtype)
                 reserved.append(StageSlot(key, tier.name, slot, tier.first_row(slot)))
         except BaseException:
@@ -317,6 +327,8 @@ class TieredKVSnapshotStore:
             )
         record.state = SnapshotState.PUBLISHED
         record.written_layers = set()  # no longer needed; published means complete
+        if record.tier == DEVICE_TIER:
+            record.generation = self.generations.publish(record.slot)
         self._tier(record.tier).order.touch(key)
         self.logical_dtypes[key] = record.logical_dtype
         self._published += 1
@@ -400,6 +412,18 @@ class TieredKVSnapshotStore:
         tier.order.touch(key)
         return tier.name, tier.first_row(record.slot)
 
+    def device_location(self, key: BlockHash) -> tuple[int, int] | None:
+        """``(first_row, generation)`` of a published device-tier snapshot, for a
+        lease-free read (``generations.py``); None elsewhere. Counts no use."""
+        record = self._snapshots.get(key)
+        if (
+            record is None
+            or record.tier != DEVICE_TIER
+            or record.state is not SnapshotState.PUBLISHED
+        ):
+            return None
+        return self._device_tier.first_row(record.slot), record.generation
+
     # ---- reporting ----------------------------------------------------------------
 
     def locate_device_rows(self, lease_id: str, keys: Sequence[BlockHash]) -> list[int]:
@@ -418,6 +442,12 @@ class TieredKVSnapshotStore:
                 )
             rows.append(first_row)
         return rows
+
+    def take_demoted(self) -> list[BlockHash]:
+        """Keys moved out of the device tier since the last call (their published
+        locations are stale; an undone move is listed too)."""
+        demoted, self._demoted = self._demoted, []
+        return demoted
 
     def take_dropped(self) -> list[BlockHash]:
         """Keys dropped since the last call, oldest first (to unregister them)."""
@@ -530,6 +560,7 @@ class TieredKVSnapshotStore:
         device.order.remove(key)
         device.give_back_slot(record.slot)
         record.tier, record.slot = CPU_TIER, cpu_slot
+        self._demoted.append(key)
         # The demoted snapshot is the CPU tier's most recent arrival.
         cpu.order.touch(key)
         self._demotions += 1
@@ -544,6 +575,13 @@ class TieredKVSnapshotStore:
             cpu.give_back_slot(demotion.cpu_slot)
             device.take_slot(demotion.device_slot)
             record.tier, record.slot = DEVICE_TIER, demotion.device_slot
+            # Its rows are whole, but a new snapshot's staging made the word odd,
+            # and words never go back: it is published under a new generation
+            # (a reader that expected the old one recomputes, nothing worse).
+            words = self.generations
+            if words.current(demotion.device_slot) % 2 == 0:
+                words.begin_rewrite(demotion.device_slot)
+            record.generation = words.publish(demotion.device_slot)
             device.order.touch(key)
             self._demotions -= 1
 

@@ -59,6 +59,9 @@ class TransportContext:
     locate_rows: LocateRows
     engine_layers: Sequence[torch.Tensor] | None = None
     engine_block_axis: int | None = None
+    # the device tier's generation words (``store/generations.py``), published
+    # by transports that lease-free readers can READ
+    generation_words: torch.Tensor | None = None
 
 
 class DeviceTierTransport(Protocol):

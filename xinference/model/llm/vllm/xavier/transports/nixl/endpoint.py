@@ -85,6 +85,7 @@ class NixlAgentEndpoint:
         slab_bytes: int,
         engine_layers: Sequence[torch.Tensor] | None = None,
         engine_block_axis: int | None = None,
+        words: torch.Tensor | None = None,
     ) -> None:
         """Checks and allocations only; ``create`` also starts the agent.
 
@@ -129,6 +130,15 @@ class NixlAgentEndpoint:
         self._nixl_errors = _nixl_errors()
         self._store_rows = store_rows
         self._store_reg: Any = None
+        # generation words, published with the rows where they share their
+        # memory type (one registration, one partial metadata)
+        self._words = (
+            words
+            if words is not None
+            and words.numel()
+            and NixlRegion.of(words).mem_type == NixlRegion.of(store_rows).mem_type
+            else None
+        )
         # Zeroed once, so a slab never exposes stale memory.
         self._slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=self.device)
         self._slab_region = NixlRegion.of(self._slab)
@@ -159,6 +169,7 @@ class NixlAgentEndpoint:
         slab_bytes: int,
         engine_layers: Sequence[torch.Tensor] | None = None,
         engine_block_axis: int | None = None,
+        words: torch.Tensor | None = None,
     ) -> NixlAgentEndpoint:
         """A started endpoint: agent created, memory registered, UCX reported.
 
@@ -170,6 +181,7 @@ class NixlAgentEndpoint:
             slab_bytes=slab_bytes,
             engine_layers=engine_layers,
             engine_block_axis=engine_block_axis,
+            words=words,
         )
         await asyncio.to_thread(self._start)
         return self
@@ -206,7 +218,10 @@ class NixlAgentEndpoint:
         ).lower() in ("n", "no", "off", "0", "false")
         try:
             if self._store_rows.numel():
-                self._store_reg = self._register([NixlRegion.of(self._store_rows)])
+                regions = [NixlRegion.of(self._store_rows)]
+                if self._words is not None:
+                    regions.append(NixlRegion.of(self._words))
+                self._store_reg = self._register(regions)
             self._slab_reg = self._register([self._slab_region])
             self._probe_reg = self._register([NixlRegion.of(self._probe)])
             if self._engine_map is not None:
@@ -263,6 +278,7 @@ class NixlAgentEndpoint:
             self.row_bytes,
             host=socket.gethostname(),
             transports=report.transports if report is not None else (),
+            words=None if self._words is None else NixlRegion.of(self._words),
         )
 
     def _log_start(self) -> None:
@@ -306,6 +322,11 @@ class NixlAgentEndpoint:
     def source(self, first_rows: Sequence[int]) -> NixlSource:
         """The ``NixlSource`` of leased snapshots at ``first_rows`` (this epoch)."""
         return NixlSource(self.agent_name, self.generation, tuple(first_rows))
+
+    @property
+    def probe(self) -> torch.Tensor:
+        """The registered scratch row (peer checks, generation read-backs)."""
+        return self._probe
 
     @property
     def store_rows(self) -> torch.Tensor:

@@ -157,6 +157,7 @@ class NixlDirectTransport:
         slab_bytes: int | None = None,
         locate_rows: LocateRows | None = None,
         engine_read_policy: EngineReadPolicy = engine_reads_are_bounded,
+        generation_words: torch.Tensor | None = None,
     ) -> NixlDirectTransport:
         """An endpoint for this actor's memory and a transport over it.
 
@@ -180,6 +181,7 @@ class NixlDirectTransport:
             slab_bytes=slab_bytes or full_slab_bytes(geometry),
             engine_layers=engine_layers if use_engine else None,
             engine_block_axis=engine_block_axis if use_engine else None,
+            words=generation_words,
         )
         return cls(
             endpoint,
@@ -199,6 +201,15 @@ class NixlDirectTransport:
     @property
     def endpoint(self) -> NixlAgentEndpoint:
         return self._endpoint
+
+    @property
+    def serves_generation_words(self) -> bool:
+        """Whether peers can READ this holder's generation words (registered
+        with its device tier): only then are lease-free reads of it safe."""
+        try:
+            return self._endpoint.info.words is not None
+        except RuntimeError:  # closed: nothing is served any more
+            return False
 
     @property
     def placement(self) -> str:
@@ -433,6 +444,16 @@ class NixlDirectTransport:
         counters.received_useful_bytes += useful_bytes
         counters.descriptors += plan.descriptors
 
+    def known_peer(self, holder_rank: int) -> NixlEndpointInfo | None:
+        """The endpoint of ``holder_rank`` loaded here, if any."""
+        return self._peers.get(holder_rank)
+
+    async def meet(self, holder: HolderCall, holder_rank: int) -> NixlEndpointInfo:
+        """Load ``holder_rank``'s current endpoint (and check the path to it)
+        ahead of any load: lease-free readers name no epoch."""
+        info: NixlEndpointInfo = await self._rpc(holder("endpoint_info"))
+        return await self._peer(holder, holder_rank, NixlSource(*info.epoch, ()))
+
     async def _peer(
         self, holder: HolderCall, holder_rank: int, source: NixlSource
     ) -> NixlEndpointInfo:
@@ -566,6 +587,7 @@ async def create(context: TransportContext) -> NixlDirectTransport:
         engine_layers=context.engine_layers if on_device else None,
         engine_block_axis=context.engine_block_axis,
         locate_rows=context.locate_rows,
+        generation_words=context.generation_words,
     )
     logger.info(
         "NIXL transport %s: %s",

@@ -91,6 +91,10 @@ class NixlEndpointInfo:
     # process offers (``UcxReport.transports``), for the loader's path report
     host: str = ""
     transports: tuple[str, ...] = ()
+    # the device tier's generation words (int64, one per slot), registered with
+    # the rows: a lease-free reader READs them back after the rows; None: the
+    # holder offers none (``store/generations.py``)
+    words: NixlRegion | None = None
 
     @property
     def epoch(self) -> tuple[str, int]:

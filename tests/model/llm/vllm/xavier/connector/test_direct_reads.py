@@ -1,0 +1,220 @@
+"""Lease-free loads READ by the engine process (``connector/direct_reads.py``),
+with real NIXL agents: the holder's in a sub-pool process (a real store served by
+the serving transport, generation words registered with its device tier), the
+loader's in this process, as the worker half owns it in vLLM's engine process.
+
+A slot reused after the loader learned its location, or a holder stopped in the
+middle of a load, must end as failed blocks (vLLM recomputes them), never as
+another snapshot's bytes reported loaded, and never as a write that lands after
+the engine was told the load ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
+from xinference.model.llm.vllm.xavier.connector.direct_reads import (
+    REPLY_ALLOWANCE_S,
+    DirectReads,
+)
+from xinference.model.llm.vllm.xavier.connector.lease_free import LEASE_FREE_PREFIX
+from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
+from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
+from xinference.model.llm.vllm.xavier.wire import (
+    DEVICE_TIER,
+    KVGeometry,
+    LeaseGrant,
+    LoadRequest,
+    TransportHint,
+)
+
+from .direct_holder import HOLDER_UID, StoreHolder, key
+
+pytestmark = pytest.mark.nixl
+pytest.importorskip("nixl", reason="NIXL is not installed")
+
+KiB = 1024
+GEOMETRY = KVGeometry(
+    num_layers=2, layer_block_nbytes=4 * KiB, logical_dtype="bfloat16"
+)
+ENGINE_BLOCKS = 8
+HOLDER_RANK = 0
+
+
+def engine_cache() -> BlockMajorCache:
+    """Per-layer bf16 caches (blocks, 2, 16 tokens, 2 heads, 32): 4 KiB a block."""
+    tensors = [
+        torch.zeros((ENGINE_BLOCKS, 2, 16, 2, 32), dtype=torch.bfloat16)
+        for _ in range(GEOMETRY.num_layers)
+    ]
+    layout = detect_layout(tensors, ENGINE_BLOCKS, "block_first")
+    return BlockMajorCache(tensors, layout)
+
+
+def block_bytes(cache: BlockMajorCache, block: int) -> set[int]:
+    index = torch.tensor([block], dtype=torch.long)
+    rows = [cache.gather(layer, index) for layer in range(cache.num_layers)]
+    return set(torch.cat(rows).flatten().tolist())
+
+
+def lease_free_load(
+    load_id: str, keys: list[int], locations: list[tuple[int, int]], blocks: list[int]
+) -> LoadRequest:
+    n = len(keys)
+    grant = LeaseGrant(
+        lease_id=f"{LEASE_FREE_PREFIX}{load_id}",
+        holder_rank=HOLDER_RANK,
+        keys=tuple(key(i) for i in keys),
+        tiers=(DEVICE_TIER,) * n,
+        logical_dtypes=("bfloat16",) * n,
+        transport_hint=TransportHint(None, tuple(row for row, _ in locations)),
+        generations=tuple(generation for _, generation in locations),
+    )
+    return LoadRequest(load_id, grant, "unused", tuple(blocks))
+
+
+@pytest.fixture
+async def holder(request) -> AsyncIterator[tuple[Any, str]]:
+    env = getattr(request, "param", None)
+    pool = await xo.create_actor_pool(
+        "127.0.0.1",
+        n_process=1,
+        external_address_schemes=["nixl"] * 2,
+        envs=None if env is None else [env],
+        auto_recover=False,
+    )
+    async with pool:
+        (address,) = list(pool.sub_processes)
+        ref = await xo.create_actor(
+            StoreHolder, GEOMETRY, 2, address=address, uid=HOLDER_UID
+        )
+        yield ref, address
+
+
+def reader(address: str, cache: BlockMajorCache) -> tuple[BackgroundLoop, DirectReads]:
+    loop = BackgroundLoop("direct-reads-test")
+
+    def holder_calls(holder_address: str, rank: int) -> Any:
+        async def call(op: str, *args: Any) -> Any:
+            ref = await xo.actor_ref(address, HOLDER_UID)
+            return await ref.transport_call(op, *args)
+
+        return call
+
+    reads = DirectReads(loop, cache, "test", holder_calls, rpc_timeout_s=10.0)
+    reads.prepare(HOLDER_RANK, address)
+    deadline = time.monotonic() + 60
+    while not reads.ready(HOLDER_RANK):
+        assert time.monotonic() < deadline, "the engine agent never met the holder"
+        meeting = reads._meeting[HOLDER_RANK]
+        if meeting.done() and meeting.exception() is not None:
+            raise meeting.exception()  # type: ignore[misc]
+        time.sleep(0.05)
+    return loop, reads
+
+
+async def test_a_lease_free_load_lands_in_the_engine_blocks(holder):
+    ref, address = holder
+    locations = [await ref.put(i) for i in (3, 4)]
+    cache = engine_cache()
+    loop, reads = await asyncio.to_thread(reader, address, cache)
+    try:
+        request = lease_free_load("ok", [3, 4], locations, [5, 2])
+        outcome = await asyncio.to_thread(reads.load_now, [request], 5.0)
+        assert outcome == {"ok": None}
+        assert block_bytes(cache, 5) == {3} and block_bytes(cache, 2) == {4}
+        assert reads.loads == 1 and reads.stale == 0
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+async def test_a_slot_reused_after_its_location_was_published_fails_the_load(holder):
+    """The holder reuses the slot (a newer snapshot takes it) after the loader
+    learned the location: the READ brings the new snapshot's bytes, and only the
+    generation word read back afterwards tells them apart."""
+    ref, address = holder
+    first, other = [await ref.put(i) for i in (3, 4)]  # the device tier is full
+    cache = engine_cache()
+    loop, reads = await asyncio.to_thread(reader, address, cache)
+    try:
+        reused = await ref.put(7)  # demotes 3; 7 takes its device slot
+        assert reused[0] == first[0] and reused[1] != first[1]
+        stale = lease_free_load("stale", [3], [first], [6])
+        fresh = lease_free_load("fresh", [4], [other], [3])
+        outcome = await asyncio.to_thread(reads.load_now, [stale, fresh], 5.0)
+        assert outcome["stale"] is not None and "changed" in outcome["stale"]
+        assert outcome["fresh"] is None and block_bytes(cache, 3) == {4}
+        # what would have been reported loaded without the check
+        assert block_bytes(cache, 6) == {7}
+        assert reads.stale == 1
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+# Over shared memory a READ needs nothing of the holder's process, so stopping it
+# stalls nothing; over TCP the holder's UCX must answer, so a stopped holder
+# stalls the READ: both agents use TCP here.
+TCP_ONLY = {"UCX_TLS": "tcp"}
+
+
+@pytest.mark.parametrize("holder", [TCP_ONLY], indirect=True)
+async def test_a_stopped_holder_costs_the_bound_and_writes_nothing_afterwards(
+    holder, monkeypatch
+):
+    """SIGSTOP the holder's process before the load: ``load_now`` returns within
+    the bound (plus the reply allowance and scheduling slack) with the load
+    failed; after SIGCONT, whatever the READ still brings lands in the receive
+    slab, not in the engine block."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY["UCX_TLS"])
+    ref, address = holder
+    (location,) = [await ref.put(5)]
+    pid = await ref.pid()
+    cache = engine_cache()
+    loop, reads = await asyncio.to_thread(reader, address, cache)
+    bound_s = 0.02
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            request = lease_free_load("stalled", [5], [location], [1])
+            started = time.monotonic()
+            outcome = await asyncio.to_thread(reads.load_now, [request], bound_s)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert outcome["stalled"] is not None
+        assert took < bound_s + REPLY_ALLOWANCE_S + 0.1, took
+        await asyncio.sleep(0.5)  # the READ, if still posted, completes now
+        assert block_bytes(cache, 1) == {0}
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+def test_generation_words_are_planned_one_descriptor_each_within_the_scratch_row():
+    from xinference.model.llm.vllm.xavier.transports.nixl.generation_words import (
+        words_plan,
+    )
+    from xinference.model.llm.vllm.xavier.transports.nixl.wire import NixlRegion
+
+    scratch = NixlRegion("DRAM", 1000, 16, 0)  # two words
+    words = NixlRegion("DRAM", 5000, 8 * 4, 0)  # four slots
+    plan = words_plan(scratch, words, [3, 1])
+    assert plan.remote[:, 0].tolist() == [5000 + 24, 5000 + 8]
+    assert plan.local[:, 0].tolist() == [1000, 1008]
+    assert plan.nbytes == 16
+    with pytest.raises(ValueError, match="do not fit"):
+        words_plan(scratch, words, [0, 1, 2])
+    with pytest.raises(ValueError, match="outside"):
+        words_plan(scratch, words, [4])
