@@ -1,16 +1,21 @@
 """A transfer actor's updates to the block tracker: which snapshots it published and
 which it dropped, sent in the background, in order, one send at a time.
 
-Replicas stage every engine step. While one update travels, the next ones gather,
-and the sender takes them all as one net change (``net_tracker_change``): each key
-ends up as its last update left it. No xoscar here: the actor hands over the
-tracker's ref and its deadline.
+Replicas stage every engine step (tens of ms), and at fleet scale the tracker's cost
+is mostly per call, not per key (benchmark/results/index-scale.md): so a replica
+sends at most one call per ``SEND_INTERVAL_S``. Updates wait in a buffer that keeps
+each key's net change since the last send (``PendingChanges``): a key staged and
+dropped again within one interval never reaches the tracker. The first update after
+a quiet interval goes at once; a buffer of ``MAX_BUFFERED_KEYS`` keys, or ``wait``
+(a test, a shutdown), sends without waiting out the interval. No xoscar here: the
+actor hands over the tracker's ref and its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -20,8 +25,65 @@ from ..stats import ActorCounters
 
 logger = logging.getLogger(__name__)
 
+# At most one call to the tracker per this interval per replica: 20 calls/s, where
+# one per 20 ms engine step was 50. A registration reaches the tracker at most this
+# late; a mirror sees it at most one mirror window (tracker.MIRROR_BATCH_S) later.
+SEND_INTERVAL_S = 0.05
+# A buffer this large is sent at once: it bounds one call's size and the buffer's
+# memory while the tracker is slow (at 1,000 registrations and as many removals a
+# second, a 50 ms interval gathers about 100 keys).
+MAX_BUFFERED_KEYS = 8192
+
 # (added, dropped) keys of one update
 Update = tuple[Sequence[BlockHash], Sequence[BlockHash]]
+
+
+class PendingChanges:
+    """Keys changed since the last send, each with its net change.
+
+    A key's first update since the last send says what the tracker holds for it:
+    staging skips keys the store already holds, so a first add finds the tracker
+    without the key, a first drop finds it registered (earlier sends are applied
+    before this one, in order). A key whose last update returns it to that state
+    cancels out; one that does not is sent as its last update left it."""
+
+    def __init__(self) -> None:
+        # key -> (the tracker held it before, the replica holds it now)
+        self._keys: dict[BlockHash, tuple[bool, bool]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, keys_added: Sequence[BlockHash], keys_dropped: Sequence[BlockHash]):
+        """One update; its drops come first (the store dropped them to make room
+        for the additions)."""
+        for held_now, keys in ((False, keys_dropped), (True, keys_added)):
+            for key in keys:
+                before = self._keys.get(key)
+                tracker_held = (not held_now) if before is None else before[0]
+                if tracker_held == held_now:
+                    self._keys.pop(key, None)  # back where the tracker has it
+                else:
+                    self._keys[key] = (tracker_held, held_now)
+
+    def take(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(keys to register, keys to unregister), in the order first changed; the
+        buffer is empty afterwards."""
+        pending, self._keys = self._keys, {}
+        added = [key for key, (_, held) in pending.items() if held]
+        dropped = [key for key, (_, held) in pending.items() if not held]
+        return added, dropped
+
+
+def net_tracker_change(
+    updates: Sequence[Update],
+) -> tuple[list[BlockHash], list[BlockHash]]:
+    """Successive (added, dropped) updates as one net change: (keys to register,
+    keys to unregister); a key that ends as the tracker had it is in neither."""
+    pending = PendingChanges()
+    for added, dropped in updates:
+        pending.add(added, dropped)
+    return pending.take()
 
 
 class TrackerUpdates:
@@ -33,44 +95,66 @@ class TrackerUpdates:
         rank: int,
         counters: ActorCounters,
         deadline: Callable[[Awaitable[Any]], Awaitable[Any]],
+        *,
+        interval_s: float = SEND_INTERVAL_S,
+        max_buffered_keys: int = MAX_BUFFERED_KEYS,
     ) -> None:
         self.tracker: Any = None
         self._rank = rank
         self._counters = counters
         self._deadline = deadline
+        self._interval_s = interval_s
+        self._max_buffered_keys = max_buffered_keys
         self._lock = asyncio.Lock()
-        self._queue: list[Update] = []  # not sent yet, oldest first
+        self._pending = PendingChanges()  # not sent yet
+        self._last_send = -float("inf")  # monotonic start of the last send
+        self._send_now = asyncio.Event()  # skip what is left of the interval
         self._sending: set[asyncio.Task[None]] = set()
+        self.calls = 0  # calls made to the tracker
 
     def tell(
         self, keys_added: list[BlockHash], keys_dropped: list[BlockHash]
     ) -> asyncio.Task[None] | None:
-        """Queue an update; the task that sends it (None: nothing to send).
-        Updates reach the tracker in the order queued, so a key dropped and staged
-        again ends up registered."""
+        """Buffer an update; the task that returns once it was sent (None: nothing
+        to send). Updates reach the tracker in the order told, so a key dropped
+        and staged again ends up registered."""
         if not keys_added and not keys_dropped:
             return None
-        self._queue.append((keys_added, keys_dropped))
+        self._pending.add(keys_added, keys_dropped)
+        if len(self._pending) >= self._max_buffered_keys:
+            self._send_now.set()
         task = asyncio.create_task(self._send())
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
         return task
 
     async def wait(self) -> None:
-        """Return once the tracker has been told (or failed to be told) of every
-        update queued so far."""
+        """Send what is buffered now, and return once the tracker has been told (or
+        failed to be told) of every update told so far."""
         if self._sending:
+            self._send_now.set()
             await asyncio.wait(list(self._sending))
 
     async def _send(self) -> None:
-        # Whoever holds the lock sends every update queued so far; the senders that
-        # find the queue empty have had theirs sent. Each task returns only after
-        # the send that carried its update, so ``wait`` keeps its meaning.
+        # Whoever holds the lock sends everything buffered when its interval is
+        # up; the senders that then find the buffer empty have had theirs sent.
+        # Each task returns only after the send that carried its update, so
+        # ``wait`` keeps its meaning.
         async with self._lock:
-            if not self._queue:
+            if not len(self._pending):
                 return
-            keys_added, keys_dropped = net_tracker_change(self._queue)
-            self._queue.clear()
+            rest = self._last_send + self._interval_s - time.monotonic()
+            if rest > 0 and not self._send_now.is_set():
+                try:
+                    await asyncio.wait_for(self._send_now.wait(), rest)
+                except TimeoutError:
+                    pass
+            self._send_now.clear()
+            keys_added, keys_dropped = self._pending.take()
+            if not keys_added and not keys_dropped:
+                return  # everything cancelled out meanwhile
+            self._last_send = time.monotonic()
+            self.calls += 1
             try:
                 # One call, packed keys: the tracker's cost is mostly per call,
                 # and it logs the bytes as they arrive.
@@ -92,23 +176,3 @@ class TrackerUpdates:
                     len(keys_dropped),
                     exc,
                 )
-
-
-def net_tracker_change(
-    updates: Sequence[Update],
-) -> tuple[list[BlockHash], list[BlockHash]]:
-    """Successive (added, dropped) updates as one: (keys whose last update added
-    them, keys whose last update dropped them). Within one update the drops come
-    first (the store dropped them to make room for the additions)."""
-    last: dict[BlockHash, bool] = {}  # key -> added by its last update
-    for added, dropped in updates:
-        for key in dropped:
-            last.pop(key, None)
-            last[key] = False
-        for key in added:
-            last.pop(key, None)
-            last[key] = True
-    return (
-        [key for key, was_added in last.items() if was_added],
-        [key for key, was_added in last.items() if not was_added],
-    )
