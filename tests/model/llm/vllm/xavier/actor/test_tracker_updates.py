@@ -11,7 +11,7 @@ from xinference.model.llm.vllm.xavier.actor.tracker_updates import (
     PendingChanges,
     TrackerUpdates,
 )
-from xinference.model.llm.vllm.xavier.change_log import pack_keys, unpack_keys
+from xinference.model.llm.vllm.xavier.change_log import unpack_keys
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.stats import ActorCounters
 from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
