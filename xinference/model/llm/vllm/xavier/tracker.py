@@ -36,7 +36,7 @@ MIRROR_GRACE_S = 5.0
 # A mirror gets at most one answer per this window (see ``mirror_changes``): at 64
 # replicas the tracker's cost is mostly per message, and 25 answers a second per
 # mirror is 1,600 a second. A change reaches a mirror within about the replica's
-# send interval (tracker_updates.SEND_INTERVAL_S, 50 ms) plus this window plus a
+# send interval (tracker_updates.SEND_INTERVAL_S, 40 ms) plus this window plus a
 # round trip: under the 100 ms budget of benchmark/results/index-scale.md.
 MIRROR_BATCH_S = 0.04
 

@@ -25,13 +25,17 @@ from ..stats import ActorCounters
 
 logger = logging.getLogger(__name__)
 
-# At most one call to the tracker per this interval per replica: 20 calls/s, where
+# At most one call to the tracker per this interval per replica: 25 calls/s, where
 # one per 20 ms engine step was 50. A registration reaches the tracker at most this
 # late; a mirror sees it at most one mirror window (tracker.MIRROR_BATCH_S) later.
-SEND_INTERVAL_S = 0.05
+# Equal to the window: for a given lag bound (their sum) that sends the fewest
+# messages; 40 + 40 ms keeps the p99 of both waits near 74 ms, under the 100 ms
+# budget with room for the messages and a mirror's apply (benchmark/results/
+# index-scale.md; 50 ms left only about 16 ms of it).
+SEND_INTERVAL_S = 0.04
 # A buffer this large is sent at once: it bounds one call's size and the buffer's
 # memory while the tracker is slow (at 1,000 registrations and as many removals a
-# second, a 50 ms interval gathers about 100 keys).
+# second, a 40 ms interval gathers about 80 keys).
 MAX_BUFFERED_KEYS = 8192
 
 # (added, dropped) keys of one update
