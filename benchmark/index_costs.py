@@ -53,14 +53,27 @@ class ProcessProbe(xo.StatelessActor):
         return rss_bytes()
 
 
+async def start_tracker(
+    replicas: int, window_s: float | None = None
+) -> tuple[Any, str, Any, Any]:
+    """(pool, its sub-pool's address, tracker, probe): the real tracker alone in a
+    sub-pool of its own, as in the supervisor, ``replicas`` ranks registered, and
+    the probe reading that process's CPU time and memory."""
+    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
+    (sub,) = list(pool.sub_processes)
+    tracker = await xo.create_actor(
+        BlockTrackerActor, window_s, address=sub, uid=TRACKER_UID
+    )
+    probe = await xo.create_actor(ProcessProbe, address=sub, uid=PROBE_UID)
+    for rank in range(replicas):
+        await tracker.register_replica(rank, f"sim://{rank}")
+    return pool, sub, tracker, probe
+
+
 async def message_us(calls: int = 2000) -> float:
     """The tracker process's CPU time per call that carries nothing: what one
     xoscar message costs it, whatever it carries (the model's rpc term, alone)."""
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
-    (sub,) = list(pool.sub_processes)
-    tracker = await xo.create_actor(BlockTrackerActor, address=sub, uid=TRACKER_UID)
-    probe = await xo.create_actor(ProcessProbe, address=sub, uid=PROBE_UID)
-    await tracker.register_replica(0, "sim://0")
+    pool, _, tracker, probe = await start_tracker(1)
     started = await probe.cpu_s()
     for _ in range(calls):
         await tracker.num_blocks(0)

@@ -62,7 +62,7 @@ from xinference.model.llm.vllm.xavier.actor.tracker_updates import (
     TrackerUpdates,
 )
 from xinference.model.llm.vllm.xavier.stats import ActorCounters
-from xinference.model.llm.vllm.xavier.tracker import MIRROR_BATCH_S, BlockTrackerActor
+from xinference.model.llm.vllm.xavier.tracker import MIRROR_BATCH_S
 from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
 
 # index_costs travels by name to the tracker's pool process (its ProcessProbe):
@@ -77,11 +77,9 @@ from index_costs import (  # noqa: E402
     HEAD_BLOCKS,
     HEAD_CHAINS,
     HEADS,
-    PROBE_UID,
     TAIL_BLOCKS,
     TRACKER_UID,
     Design,
-    ProcessProbe,
     answer_encoding,
     chain,
     ingest_us,
@@ -89,6 +87,7 @@ from index_costs import (  # noqa: E402
     message_us,
     model,
     rss_bytes,
+    start_tracker,
 )
 
 STEP_S = 0.02  # one engine step
@@ -332,16 +331,9 @@ def split(items: list[int], parts: int) -> list[list[int]]:
 
 
 async def run_fleet(n: int, opts: argparse.Namespace, design: Design) -> dict[str, Any]:
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
-    (sub,) = list(pool.sub_processes)
-    tracker = await xo.create_actor(
-        BlockTrackerActor, design.window_s, address=sub, uid=TRACKER_UID
-    )
-    probe = await xo.create_actor(ProcessProbe, address=sub, uid=PROBE_UID)
+    pool, sub, tracker, probe = await start_tracker(n, design.window_s)
     tracker_rss0 = await probe.rss()
     ranks = list(range(n))
-    for rank in ranks:
-        await tracker.register_replica(rank, f"sim://{rank}")
     ctx = mp.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
     gos, procs = [], []

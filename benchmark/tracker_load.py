@@ -38,7 +38,7 @@ import xoscar as xo
 import xxhash
 
 from xinference.model.llm.vllm.xavier.actor.tracker_updates import SEND_INTERVAL_S
-from xinference.model.llm.vllm.xavier.tracker import MIRROR_BATCH_S, BlockTrackerActor
+from xinference.model.llm.vllm.xavier.tracker import MIRROR_BATCH_S
 
 _HERE = str(Path(__file__).resolve().parent)
 sys.path.insert(0, _HERE)  # index_costs, here and in the spawned processes
@@ -46,7 +46,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 )
 
-from index_costs import PROBE_UID, TRACKER_UID, Design, ProcessProbe  # noqa: E402
+from index_costs import TRACKER_UID, Design, start_tracker  # noqa: E402
 
 PROBE_EVERY_S = 0.02
 KEEP_S = 1.0  # a replica drops what it sent this long ago
@@ -141,14 +141,7 @@ def side_main(
 
 
 async def run(n: int, opts: argparse.Namespace, design: Design) -> dict[str, Any]:
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
-    (sub,) = list(pool.sub_processes)
-    tracker = await xo.create_actor(
-        BlockTrackerActor, design.window_s, address=sub, uid=TRACKER_UID
-    )
-    probe = await xo.create_actor(ProcessProbe, address=sub, uid=PROBE_UID)
-    for rank in range(n):
-        await tracker.register_replica(rank, f"sim://{rank}")
+    pool, sub, _, probe = await start_tracker(n, design.window_s)
     common = {"tracker": sub, "n": n, "rate": opts.rate, "seconds": opts.seconds}
     common["send_s"] = design.send_s
     ctx = mp.get_context("spawn")
