@@ -58,7 +58,9 @@ class PendingChanges:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, keys_added: Sequence[BlockHash], keys_dropped: Sequence[BlockHash]):
+    def add(
+        self, keys_added: Sequence[BlockHash], keys_dropped: Sequence[BlockHash]
+    ) -> None:
         """One update; its drops come first (the store dropped them to make room
         for the additions)."""
         for held_now, keys in ((False, keys_dropped), (True, keys_added)):
@@ -138,6 +140,8 @@ class TrackerUpdates:
         if self._sending:
             self._send_now.set()
             await asyncio.wait(list(self._sending))
+        if not len(self._pending):
+            self._send_now.clear()  # the next update waits out its interval again
 
     async def _send(self) -> None:
         # Whoever holds the lock sends everything buffered when its interval is
