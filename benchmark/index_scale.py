@@ -92,7 +92,7 @@ from index_costs import (  # noqa: E402
 
 STEP_S = 0.02  # one engine step
 # a replica's send interval and a mirror's window: each engine step and 20 ms (the
-# pacing before issue 33's second round), and this tree's
+# pacing before round 3 of benchmark/results/index-scale.md), and this tree's
 STEP_DESIGN = Design("per step", STEP_S, 0.02)
 INTERVAL_DESIGN = Design("interval", SEND_INTERVAL_S, MIRROR_BATCH_S)
 PROBE_EVERY_S = 0.05  # per driver
