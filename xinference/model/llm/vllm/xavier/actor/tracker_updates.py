@@ -7,8 +7,10 @@ sends at most one call per ``SEND_INTERVAL_S``. Updates wait in a buffer that ke
 each key's net change since the last send (``PendingChanges``): a key staged and
 dropped again within one interval never reaches the tracker. The first update after
 a quiet interval goes at once; a buffer of ``MAX_BUFFERED_KEYS`` keys, or ``wait``
-(a test, a shutdown), sends without waiting out the interval. No xoscar here: the
-actor hands over the tracker's ref and its deadline.
+(``wait_tracker_updates``, tests), sends without waiting out the interval; a closing
+actor awaits the tasks ``tell`` returned, so its buffer is sent (at most one interval
+later) before it leaves the tracker. No xoscar here: the actor hands over the
+tracker's ref and its deadline.
 """
 
 from __future__ import annotations
