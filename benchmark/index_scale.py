@@ -17,7 +17,12 @@ registrations, as serving does once the tiers are full. A demotion (device tier 
 CPU tier) keeps a block's key and sends nothing; a dropped shared head is staged
 again when the next request computes it.
 
-The offered rate climbs in ``--levels`` steps of ``--level-s`` seconds each (total
+Replicas send through ``TrackerUpdates`` as this tree configures it (one call per
+``SEND_INTERVAL_S`` at most) to a tracker with this tree's mirror window; with
+``--compare`` each fleet also runs first with the pacing before (each engine step's
+update sent at once, a 20 ms window), in the same run.
+
+The offered rate climbs in ``--rates`` steps of ``--level-s`` seconds each (total
 registrations per second over all replicas; removals come on top once stores are
 full). Per level it reports:
 
@@ -29,9 +34,10 @@ full). Per level it reports:
 A level is sustained when the acknowledged rate is at least 90% of the offered rate
 and the lag p99 stays under a second. At the end: a mirror's lookup cost (a
 100-block prompt, hits and misses, after the run) and memory per indexed block
-(process RSS growth over the indexed blocks) in the tracker and in a mirror.
+(process RSS growth over the indexed blocks) in the tracker and in a mirror; then
+the unit costs and the model of ``index_costs.py``.
 
-Usage: python benchmark/index_scale.py [--replicas 2,8,16,32,64] [--quick]
+Usage: python benchmark/index_scale.py [--replicas 2,8,16,32,64] [--compare] [--quick]
 """
 
 from __future__ import annotations
@@ -45,53 +51,59 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import xoscar as xo
 import xxhash
 
-from xinference.model.llm.vllm.xavier.actor.tracker_updates import TrackerUpdates
+from xinference.model.llm.vllm.xavier.actor.tracker_updates import (
+    SEND_INTERVAL_S,
+    TrackerUpdates,
+)
 from xinference.model.llm.vllm.xavier.stats import ActorCounters
-from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
+from xinference.model.llm.vllm.xavier.tracker import MIRROR_BATCH_S
 from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
 
-TRACKER_UID, PROBE_UID = "index-scale-tracker", "index-scale-probe"
+# index_costs travels by name to the tracker's pool process (its ProcessProbe):
+# that process, spawned, finds it on its PYTHONPATH
+_HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, _HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+)
+
+from index_costs import (  # noqa: E402
+    HEAD_BLOCKS,
+    HEAD_CHAINS,
+    HEADS,
+    TAIL_BLOCKS,
+    TRACKER_UID,
+    Design,
+    answer_encoding,
+    chain,
+    ingest_us,
+    memory_per_block,
+    message_us,
+    model,
+    rss_bytes,
+    start_tracker,
+)
+
 STEP_S = 0.02  # one engine step
-HEADS, HEAD_BLOCKS, TAIL_BLOCKS = 16, 32, 64  # shared system prompts, user tails
+# a replica's send interval and a mirror's window: each engine step and 20 ms (the
+# pacing before round 3 of benchmark/results/index-scale.md), and this tree's
+STEP_DESIGN = Design("per step", STEP_S, 0.02)
+INTERVAL_DESIGN = Design("interval", SEND_INTERVAL_S, MIRROR_BATCH_S)
 PROBE_EVERY_S = 0.05  # per driver
 PROMPT_BLOCKS = 100  # a lookup's prompt
 NO_RANK = -2  # a lookup on behalf of nobody: every holder counts
 DRAIN_S = 3.0  # mirrors keep following this long after the last level
-
-
-def chain(seed: bytes, n: int) -> list[bytes]:
-    keys, parent = [], xxhash.xxh3_128_digest(seed)
-    for i in range(n):
-        parent = xxhash.xxh3_128_digest(parent + i.to_bytes(4, "little"))
-        keys.append(parent)
-    return keys
-
-
-HEAD_CHAINS = [chain(b"head-%d" % h, HEAD_BLOCKS) for h in range(HEADS)]
+IDLE_S = 2.0  # the tracker process's CPU is read this long before any traffic
 
 
 def probe_key(driver: int, seq: int) -> bytes:
     return xxhash.xxh3_128_digest(b"probe-%d-%d" % (driver, seq))
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class ProcessProbe(xo.StatelessActor):
-    """Lives in the tracker's process: that process's CPU time and memory."""
-
-    def cpu_s(self) -> float:
-        return time.process_time()
-
-    def rss(self) -> int:
-        return rss_bytes()
 
 
 # ---- replicas (driver processes) ---------------------------------------------------
@@ -176,7 +188,9 @@ async def drive(args: dict[str, Any], ready: Any, go: Any, results: Any) -> None
 
     replicas = []
     for rank in args["ranks"]:
-        updates = TrackerUpdates(rank, ActorCounters(), deadline)
+        # "per step": no interval; each engine step's tell goes at once
+        send_s = 0.0 if args["send_s"] <= STEP_S else args["send_s"]
+        updates = TrackerUpdates(rank, ActorCounters(), deadline, interval_s=send_s)
         updates.tracker = counting
         replicas.append(SimReplica(rank, args["capacity"], updates))
     for replica in replicas:  # a warm fleet: every store full before timing
@@ -316,15 +330,10 @@ def split(items: list[int], parts: int) -> list[list[int]]:
     return [items[i::parts] for i in range(parts) if items[i::parts]]
 
 
-async def run_fleet(n: int, opts: argparse.Namespace) -> dict[str, Any]:
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
-    (sub,) = list(pool.sub_processes)
-    tracker = await xo.create_actor(BlockTrackerActor, address=sub, uid=TRACKER_UID)
-    probe = await xo.create_actor(ProcessProbe, address=sub, uid=PROBE_UID)
+async def run_fleet(n: int, opts: argparse.Namespace, design: Design) -> dict[str, Any]:
+    pool, sub, tracker, probe = await start_tracker(n, design.window_s)
     tracker_rss0 = await probe.rss()
     ranks = list(range(n))
-    for rank in ranks:
-        await tracker.register_replica(rank, f"sim://{rank}")
     ctx = mp.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
     gos, procs = [], []
@@ -334,6 +343,7 @@ async def run_fleet(n: int, opts: argparse.Namespace) -> dict[str, Any]:
         "level_s": opts.level_s,
         "capacity": opts.capacity,
         "all_ranks": ranks,
+        "send_s": design.send_s,
     }
     driver_ranks = split(ranks, opts.drivers)
     mirror_ranks = split(ranks, min(n, opts.mirror_procs)) if opts.mirrors else []
@@ -352,6 +362,11 @@ async def run_fleet(n: int, opts: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     for _ in procs:
         await loop.run_in_executor(None, ready.get, True, 300)
+    # the tracker process's CPU with every process started and no traffic: the
+    # pool's own upkeep, which the model keeps apart from the per-message cost
+    idle_from = await probe.cpu_s()
+    await asyncio.sleep(IDLE_S)
+    idle = (await probe.cpu_s() - idle_from) / IDLE_S
     t0 = time.time() + 1.0
     for go in gos:
         go.put(t0)
@@ -365,7 +380,8 @@ async def run_fleet(n: int, opts: argparse.Namespace) -> dict[str, Any]:
     for proc in procs:
         proc.join(30)
     await pool.stop()
-    return summarize(n, opts, got, cpu_marks, t0, blocks, tracker_rss - tracker_rss0)
+    result = summarize(n, opts, got, cpu_marks, t0, blocks, tracker_rss - tracker_rss0)
+    return {**result, "design": design, "trk_idle": idle}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -452,9 +468,11 @@ def summarize(n, opts, got, cpu_marks, t0, blocks, tracker_grown) -> dict[str, A
 
 
 def print_fleet(r: dict[str, Any]) -> None:
+    d = r["design"]
     print(
         f"\nN={r['n']} replicas, {r['mirrors']} mirrors in {r['mirror_procs']} "
-        f"processes; {r['blocks']} blocks indexed at the end"
+        f"processes; {r['blocks']} blocks indexed at the end; {d.name}: send "
+        f"interval {d.send_s * 1e3:.0f} ms, mirror window {d.window_s * 1e3:.0f} ms"
     )
     print(
         f"{'blocks/s':>8} {'offered':>8} {'changes/s':>9} {'trk us/chg':>10} "
@@ -474,202 +492,10 @@ def print_fleet(r: dict[str, Any]) -> None:
         f"(lag in ms; polls/s, apply and mirror-process CPU us/change per mirror) "
         f"lookup of 100 blocks "
         f"in a mirror after the run: hit {r['lookup_hit_us']:.1f} us, miss "
-        f"{r['lookup_miss_us']:.1f} us; RSS growth per indexed block: tracker "
+        f"{r['lookup_miss_us']:.1f} us; the tracker idle {r['trk_idle']:.3f} core; "
+        f"RSS growth per indexed block: tracker "
         f"{r['trk_b_per_block']:.0f} B, mirror {r['mirror_b_per_block']:.0f} B"
     )
-
-
-async def message_us(calls: int = 2000) -> float:
-    """The tracker process's CPU time per call that carries nothing: what one
-    xoscar message costs it, whatever it carries (the model's rpc term, alone)."""
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
-    (sub,) = list(pool.sub_processes)
-    tracker = await xo.create_actor(BlockTrackerActor, address=sub, uid=TRACKER_UID)
-    probe = await xo.create_actor(ProcessProbe, address=sub, uid=PROBE_UID)
-    await tracker.register_replica(0, "sim://0")
-    started = await probe.cpu_s()
-    for _ in range(calls):
-        await tracker.num_blocks(0)
-    spent = await probe.cpu_s() - started
-    await pool.stop()
-    return spent / calls * 1e6
-
-
-def ingest_us(batch: int = 32, ranks: int = 64, per_rank: int = 2000) -> float:
-    """The tracker's own work per change, called in process (no xoscar): a fleet's
-    registrations of ``batch`` keys, then as many removals, with this tree's
-    tracker (its index and change log) and the keys as ``TrackerUpdates`` sends
-    them (packed where the tree packs them)."""
-    try:
-        from xinference.model.llm.vllm.xavier.change_log import pack_keys
-    except ImportError:  # main's tree sends lists
-
-        def pack_keys(keys: Any) -> Any:
-            return list(keys)
-
-    tracker = BlockTrackerActor()
-    updates = []
-    for rank in range(ranks):
-        tracker.register_replica(rank, f"sim://{rank}")
-        keys = chain(b"ingest-%d" % rank, per_rank)
-        updates += [
-            (rank, pack_keys(keys[i : i + batch])) for i in range(0, per_rank, batch)
-        ]
-    started = time.process_time()
-    for rank, keys in updates:
-        tracker.register_blocks(rank, keys)
-    for rank, keys in updates:
-        tracker.unregister_blocks(rank, keys)
-    return (time.process_time() - started) / (2 * ranks * per_rank) * 1e6
-
-
-def model(
-    results: list[dict[str, Any]],
-    target: float,
-    polls: float,
-    calls: float,
-    costs: dict[str, float],
-) -> None:
-    """The tracker's cores at ``target`` changes/s with N mirrors, bottom up:
-
-        cores = ingest * changes/s + fanout * changes/s * N + rpc * (calls/s + answers/s)
-
-    ingest: the tracker's own work per change (``ingest_us``); fanout: serializing a
-    change into one mirror's answer (``answer_encoding``, the encoding this tree
-    sends); rpc: xoscar's and asyncio's cost of one call or answer whatever it
-    carries, solved per sustained level of the runs from the tracker's measured CPU
-    time less the first two terms, median. Evaluated with ``calls`` register and
-    unregister calls per replica per second and ``polls`` answers per mirror per
-    second. A mirror's process: its measured CPU per change times ``target``."""
-    ingest, fanout = costs["ingest"], costs["fanout"]
-    rpcs = []
-    for r in results:
-        for lv in r["levels"]:
-            if not lv["sustained"] or not lv["calls"] + lv["answers"]:
-                continue
-            rest = (
-                lv["trk_core"] - (ingest + fanout * r["mirrors"]) * lv["changes"] / 1e6
-            )
-            rpcs.append(rest / (lv["calls"] + lv["answers"]) * 1e6)
-    if not rpcs:
-        print("\nmodel: needs a sustained level")
-        return
-    rpc = statistics.median(rpcs)
-    mirror_costs = [
-        lv["mirror_us"] for r in results for lv in r["levels"] if lv["sustained"]
-    ]
-    mirror_us = min(mirror_costs)
-    print(
-        f"\nmodel: tracker cores = {ingest:.2f} us x changes/s + {fanout:.4f} us x "
-        f"changes/s x N + {rpc:.0f} us x (calls/s + answers/s)   [rpc: median of "
-        f"{len(rpcs)} sustained levels]"
-    )
-    print(
-        f"at {target:.0f} changes/s, {calls:.0f} calls/s per replica, {polls:.0f} "
-        f"answers/s per mirror; a mirror's process: {mirror_us:.2f} us per change "
-        f"(its lowest over sustained levels, where fixed costs weigh least)"
-    )
-    print(
-        f"{'N':>4} {'tracker cores':>13} {'of which fan-out':>16} {'mirror core':>11}"
-    )
-    for n in (2, 8, 16, 32, 64):
-        out = fanout * target * n / 1e6
-        cores = ingest * target / 1e6 + out + rpc * n * (calls + polls) / 1e6
-        print(f"{n:>4} {cores:>13.2f} {out:>16.2f} {mirror_us * target / 1e6:>11.2f}")
-
-
-def answer_encoding(keys: int = 2560, batch: int = 32) -> float:
-    """What one answer to one mirror costs xoscar's serializer, per key, as
-    ``IndexChange`` objects (main's feed) and as packed records, in this run: 2,560
-    keys is a 20 ms window of 128,000 changes/s, in 32-key updates."""
-    from xoscar.serialization import deserialize, serialize
-
-    from xinference.model.llm.vllm.xavier.wire import IndexChange, TrackerChanges
-
-    try:
-        from xinference.model.llm.vllm.xavier.change_log import encode, pack_keys
-    except ImportError:  # main's tree, before the packed feed
-        encode = None
-
-    updates = [chain(b"enc-%d" % i, batch) for i in range(keys // batch)]
-    addresses = tuple((r, f"nixl://10.0.0.{r}:41000") for r in range(64))
-    answers = {
-        "objects": TrackerChanges(
-            1,
-            False,
-            tuple(
-                IndexChange(IndexChange.ADD, i % 64, tuple(u))
-                for i, u in enumerate(updates)
-            ),
-            addresses,
-        )
-    }
-    if encode is not None:
-        records = [
-            encode(IndexChange.ADD, i % 64, pack_keys(u)) for i, u in enumerate(updates)
-        ]
-        answers["packed"] = TrackerChanges(1, False, (), addresses, b"".join(records))
-
-    def per_key_us(call: Any) -> float:
-        times = []
-        for _ in range(30):
-            started = time.process_time()
-            call()
-            times.append(time.process_time() - started)
-        return statistics.median(times) / keys * 1e6
-
-    print(
-        f"\none answer of {keys} keys in {len(updates)} changes, xoscar's serializer:"
-    )
-    costs = {}
-    for name, answer in answers.items():
-        headers, buffers = serialize(answer)
-        costs[name] = (
-            per_key_us(lambda a=answer: serialize(a)),
-            per_key_us(lambda h=headers, b=buffers: deserialize(h, b)),
-        )
-        print(
-            f"  {name:>8}: serialize {costs[name][0]:.4f} us/key (tracker, per "
-            f"mirror), deserialize {costs[name][1]:.4f} us/key (mirror)"
-        )
-    if "packed" in costs:
-        print(
-            f"  packed/objects: serialize "
-            f"x{costs['packed'][0] / costs['objects'][0]:.3f}, deserialize "
-            f"x{costs['packed'][1] / costs['objects'][1]:.3f}"
-        )
-    # what this tree's tracker sends
-    return costs["packed" if "packed" in costs else "objects"][0]
-
-
-def memory_per_block(ranks: int = 64, per_rank: int = 2000) -> tuple[float, float]:
-    """Bytes per indexed block (tracemalloc, in this process): a tracker holding
-    ``ranks`` x ``per_rank`` blocks (shared heads plus tails of their own,
-    registered 32 at a time, change log included), and a mirror of it."""
-    import tracemalloc
-
-    def fetch(since: int, wait_s: float) -> Any:
-        raise AssertionError("not polled")
-
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    tracker = BlockTrackerActor()
-    blocks = 0
-    for rank in range(ranks):
-        tracker.register_replica(rank, f"sim://{rank}")
-        keys = [k for head in HEAD_CHAINS for k in head]
-        keys += chain(b"mem-%d" % rank, per_rank - len(keys))
-        for i in range(0, len(keys), 32):
-            tracker.register_blocks(rank, keys[i : i + 32])
-        blocks += len(keys)
-    in_tracker = tracemalloc.get_traced_memory()[0] - before
-    snapshot = asyncio.run(tracker.mirror_changes(0, -1, 0.0))
-    before = tracemalloc.get_traced_memory()[0]
-    mirror = TrackerMirror(fetch, rpc_timeout_s=1)
-    mirror.apply(snapshot)
-    in_mirror = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
-    return in_tracker / blocks, in_mirror / blocks
 
 
 def main() -> None:
@@ -694,17 +520,10 @@ def main() -> None:
         " + as many removals)",
     )
     parser.add_argument(
-        "--polls",
-        type=float,
-        default=50.0,
-        help="answers per second per mirror the model assumes (one per 20 ms window)",
-    )
-    parser.add_argument(
-        "--calls",
-        type=float,
-        default=50.0,
-        help="calls per replica per second the model assumes: one update_blocks per "
-        "20 ms engine step (main's tree sends two: evaluate it with --calls 100)",
+        "--compare",
+        action="store_true",
+        help="run each fleet twice: sending each engine step with a 20 ms mirror "
+        "window (the pacing before), then this tree's send interval and window",
     )
     parser.add_argument("--quick", action="store_true", help="N=2; one short level")
     opts = parser.parse_args()
@@ -719,19 +538,25 @@ def main() -> None:
         f"{opts.drivers} driver processes, mirrors in up to {opts.mirror_procs} "
         f"processes, {os.cpu_count()} cores"
     )
+    designs = [STEP_DESIGN, INTERVAL_DESIGN] if opts.compare else [INTERVAL_DESIGN]
     results = []
     for n in sizes:
-        result = asyncio.run(run_fleet(n, opts))
-        print_fleet(result)
-        sys.stdout.flush()
-        results.append(result)
-    costs = {"ingest": ingest_us(), "fanout": answer_encoding()}
+        for design in designs:
+            result = asyncio.run(run_fleet(n, opts, design))
+            print_fleet(result)
+            sys.stdout.flush()
+            results.append(result)
+    costs = {
+        "ingest": ingest_us(),
+        "fanout": answer_encoding(),
+        "message": asyncio.run(message_us()),
+        "idle": statistics.median(r["trk_idle"] for r in results),
+    }
     print(f"the tracker's own work per change, in process: {costs['ingest']:.2f} us")
     print(
-        f"the tracker process's CPU per call carrying nothing: "
-        f"{asyncio.run(message_us()):.0f} us"
+        f"the tracker process's CPU per call carrying nothing: {costs['message']:.0f} us"
     )
-    model(results, opts.target, opts.polls, opts.calls, costs)
+    model(results, opts.target, [STEP_DESIGN, INTERVAL_DESIGN], costs)
     tracker_b, mirror_b = memory_per_block()
     print(
         f"\nmemory per indexed block (tracemalloc; 64 ranks x 2000 blocks, log "

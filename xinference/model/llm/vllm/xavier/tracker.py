@@ -33,9 +33,12 @@ CHANGE_LOG_KEYS = 200_000
 # A mirror that has not polled again this long after its last wait ended no longer
 # holds back what rank -1 queries see.
 MIRROR_GRACE_S = 5.0
-# After a change wakes a waiting mirror, its answer waits this long for more; and a
-# mirror gets at most one answer per this window (see ``mirror_changes``).
-MIRROR_BATCH_S = 0.02
+# A mirror gets at most one answer per this window (see ``mirror_changes``): at 64
+# replicas the tracker's cost is mostly per message, and 25 answers a second per
+# mirror is 1,600 a second. A change reaches a mirror within about the replica's
+# send interval (tracker_updates.SEND_INTERVAL_S, 40 ms) plus this window plus a
+# round trip: under the 100 ms budget of benchmark/results/index-scale.md.
+MIRROR_BATCH_S = 0.04
 
 
 def tracker_uid(model_uid: str) -> str:
@@ -46,8 +49,10 @@ class BlockTrackerActor(xo.StatelessActor):
     """Index of published snapshots. Every method but ``mirror_changes`` is
     synchronous, hence atomic; every change to the index bumps ``version``."""
 
-    def __init__(self) -> None:
+    def __init__(self, mirror_window_s: float | None = None) -> None:
+        """``mirror_window_s``: ``MIRROR_BATCH_S`` unless given (benchmarks)."""
         super().__init__()
+        self._window_s = MIRROR_BATCH_S if mirror_window_s is None else mirror_window_s
         self._index = PrefixIndex()
         # rank -> transfer actor pool address
         self._addresses: dict[int, str] = {}
@@ -140,13 +145,15 @@ class BlockTrackerActor(xo.StatelessActor):
         ``since`` (-1: nothing yet), must apply next; waits up to ``wait_s`` for a
         change when there is none. Also records how far that mirror is.
 
-        A mirror gets at most one answer per ``MIRROR_BATCH_S``: one that is behind
-        (the tracker changed while its last answer travelled) waits out the rest
-        of the window, so that under steady traffic each mirror costs the tracker
-        one answer per window, not one per round trip. Its lag stays within
-        about one window plus a round trip."""
+        A mirror gets at most one answer per window (``MIRROR_BATCH_S``): a poll
+        answers once the window since that mirror's last answer is over, and only
+        then, so that under steady traffic each mirror costs the tracker one
+        answer per window, not one per round trip or per change, and a change
+        waits at most one window here. A mirror that waited through a quiet spell
+        longer than the window is answered at the first change."""
         if since < 0 or since > self._version:
             self._mirrors.pop(rank, None)  # not a live mirror until it has a base
+            self._note_answer(rank)
             return self._snapshot()
         self._mirrors[rank] = (since, time.monotonic() + wait_s + MIRROR_GRACE_S)
         if since == self._version:
@@ -154,19 +161,15 @@ class BlockTrackerActor(xo.StatelessActor):
                 await asyncio.wait_for(self._changed.wait(), wait_s)
             except TimeoutError:
                 pass
-            else:
-                # Replicas publish every engine step: let the changes that follow
-                # this one closely travel in the same answer, so that a mirror
-                # polls at most about once per batch window, not once per change.
-                await asyncio.sleep(MIRROR_BATCH_S)
-        else:
-            rest = self._answered.get(rank, 0.0) + MIRROR_BATCH_S - time.monotonic()
+        if self._version > since:  # not a timeout, nor ``wake_mirrors``
+            # Replicas send every few tens of ms: the changes that follow this one
+            # closely travel in the same answer.
+            rest = self._answered.get(rank, 0.0) + self._window_s - time.monotonic()
             if rest > 0:
                 await asyncio.sleep(rest)
+        self._note_answer(rank)
         if not self._log.reaches(since):
             return self._snapshot()  # the log no longer reaches back that far
-        if rank in self._addresses:
-            self._answered[rank] = time.monotonic()
         return TrackerChanges(
             self._version,
             False,
@@ -186,6 +189,10 @@ class BlockTrackerActor(xo.StatelessActor):
         versions = {rank: version for rank, (version, _) in self._live_mirrors()}
         versions[-1] = self._version
         return versions
+
+    def _note_answer(self, rank: int) -> None:
+        if rank in self._addresses:  # forgotten ranks leave no entry behind
+            self._answered[rank] = time.monotonic()
 
     def _snapshot(self) -> TrackerChanges:
         """The whole index, encoded once per version: mirrors starting together

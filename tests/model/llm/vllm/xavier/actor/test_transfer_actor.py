@@ -15,10 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.actor.tracker_updates import (
-    net_locations,
-    net_tracker_change,
-)
+from xinference.model.llm.vllm.xavier.actor.tracker_updates import net_tracker_change
 from xinference.model.llm.vllm.xavier.actor.transfer_actor import TransferActorConfig
 from xinference.model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
 from xinference.model.llm.vllm.xavier.engine.layout import (
@@ -459,21 +456,23 @@ async def test_dropped_snapshots_are_unregistered_from_the_tracker(cluster):
 
 def test_queued_tracker_updates_are_sent_as_their_net_change():
     """Updates that queued while one was in flight travel as one: each key ends
-    up as its last update left it (the drops of an update precede its adds)."""
+    up as its last update left it (the drops of an update precede its adds), and
+    a key back where the tracker had it travels not at all."""
     a, b, c, d = prompt_keys(4, salt=11)
     updates = [
         ([a, b], [], [(a, 0, 2), (b, 2, 2)]),
         ([c], [a], [(c, 0, 4)]),  # a dropped to make room for c
-        ([a], [b], [(a, 2, 4)]),  # a staged again, b dropped
+        ([a], [b], [(a, 2, 4)]),  # a staged again; b dropped: never reached it
         ([], [d], []),  # d was registered by an earlier send
     ]
-    added, dropped = net_tracker_change(updates)
+    added, dropped, located = net_tracker_change(updates)
     assert added == [c, a]
-    assert dropped == [b, d]
-    # each key's last location (the tracker drops b's with b)
-    assert net_locations(updates) == [(a, 2, 4), (b, 2, 2), (c, 0, 4)]
-    assert net_tracker_change([([a], [a], [])]) == ([a], [])
-    assert net_tracker_change([]) == ([], [])
+    assert dropped == [d]
+    # each held key's last location; b's went with b, a's first with its drop
+    assert located == [(c, 0, 4), (a, 2, 4)]
+    # dropped and staged again in one update: registered as it was, newly located
+    assert net_tracker_change([([a], [a], [(a, 0, 2)])]) == ([], [], [(a, 0, 2)])
+    assert net_tracker_change([]) == ([], [], [])
 
 
 async def test_engine_caches_are_mapped_exactly_once_and_must_match(cluster):
