@@ -1,0 +1,207 @@
+"""The worker half's asynchronous path: ``start_load_kv`` posts a load and returns
+without waiting on the actor, and ``get_finished`` takes the pushed completions
+without any actor call. A load that cannot start, or whose actor stops answering,
+still ends as failed blocks reported through ``get_finished``. The "actor" is in
+process: the real load runner behind ``run_load`` / ``cancel_load``, with the fake
+transport of the actor part tests (the real actor's ``run_load`` is exercised by
+``test_worker.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
+from xinference.model.llm.vllm.xavier.connector.step import RequestLoad, StepMetadata
+from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
+from xinference.model.llm.vllm.xavier.wire import LoadResult
+
+from ..actor.test_parts import request, runner_for, staged_holder
+from .test_worker_fast_path import StallingTransport
+
+# far below any stall in these tests, far above a post on a loaded CI host
+POST_S = 0.2
+
+
+class AsyncActor:
+    """The loader's transfer actor calls the worker makes on the asynchronous
+    path, counted. ``answer`` gates run_load's reply (the actor is slow)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.calls: list[str] = []
+        self.answer = asyncio.Event()
+        self.answer.set()
+        self.refuse: Exception | None = None
+
+    async def run_load(self, req: Any, timeout: float) -> LoadResult:
+        self.calls.append("run_load")
+        await self.answer.wait()
+        if self.refuse is not None:
+            raise self.refuse
+        await self.runner.start(req)
+        try:
+            result: LoadResult = await self.runner.wait(req.load_id, timeout)
+        except TimeoutError:
+            await self.runner.cancel(req.load_id)
+            result = await self.runner.wait(req.load_id, 0)
+        return result
+
+    async def cancel_load(self, load_id: str) -> None:
+        self.calls.append("cancel_load")
+        await self.runner.cancel(load_id)
+
+
+@pytest.fixture
+def loop() -> Iterator[BackgroundLoop]:
+    background = BackgroundLoop("test-worker-async-loads")
+    yield background
+    background.close()
+
+
+def worker_with(
+    loop: BackgroundLoop, actor: AsyncActor, load_timeout_s: float = 15.0
+) -> WorkerSide:
+    settings = WorkerSettings(
+        model="m",
+        num_blocks=32,
+        block_size=16,
+        load_async=True,
+        rpc_timeout_s=0.5,
+        load_timeout_s=load_timeout_s,
+    )
+    worker = WorkerSide(settings, loop, actor_factory=lambda: None)  # type: ignore
+    worker._identity = object()  # type: ignore[assignment]  # mapped
+    worker._actor = actor
+    return worker
+
+
+def async_step(*loads: tuple[str, Any]) -> StepMetadata:
+    return StepMetadata(
+        loads=tuple(RequestLoad(req_id, load) for req_id, load in loads),
+        load_async=True,
+    )
+
+
+def finished_within(worker: WorkerSide, req_id: str, seconds: float) -> set[int]:
+    """Step (``get_finished``) until ``req_id`` is reported; its failed blocks."""
+    errors: set[int] = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done = worker.get_finished(set())[1] or set()
+        errors |= worker.get_block_ids_with_load_errors()
+        if req_id in done:
+            return errors
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} was not reported finished within {seconds} s")
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()
+
+
+def test_start_load_kv_returns_before_the_actor_answers(loop):
+    """The actor takes its time to answer: the engine's step is not held up, and
+    the load is reported once its completion arrives, with its blocks loaded and
+    one call on the actor (no start, no polls)."""
+    holder, published = loop.run(staged_holder(2, device_slots=2), 30)
+    runner, target, _ = runner_for(holder, StallingTransport())
+    actor = AsyncActor(runner)
+    actor.answer.clear()
+    worker = worker_with(loop, actor)
+    grant = holder.leases.grant(published, "lease-a", holder.engine.identity())
+    began = time.perf_counter()
+    worker.start_load_kv(async_step(("a", request(grant, [8, 9], "load-a"))))
+    assert time.perf_counter() - began < POST_S
+    # steps go on while the actor has not answered: nothing is reported yet
+    for _ in range(3):
+        began = time.perf_counter()
+        assert worker.get_finished(set()) == (None, None)
+        assert time.perf_counter() - began < POST_S
+    loop.run(_set(actor.answer), 5)
+    assert finished_within(worker, "a", 10) == set()
+    for src, dst in zip((0, 1), (8, 9), strict=True):
+        assert torch.equal(target.read_block(dst), holder.engine.read_block(src))
+    assert actor.calls == ["run_load"]
+    # run_load, and the holder's transport call (the release is not on the path)
+    assert worker.take_round_trips() == {"a": 2}
+
+
+def test_a_load_the_actor_refuses_is_reported_failed(loop):
+    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
+    runner, _, _ = runner_for(holder, StallingTransport())
+    actor = AsyncActor(runner)
+    actor.refuse = ValueError("conflicting destinations")
+    worker = worker_with(loop, actor)
+    grant = holder.leases.grant(published, "lease-r", holder.engine.identity())
+    worker.start_load_kv(async_step(("r", request(grant, [3], "load-r"))))
+    assert finished_within(worker, "r", 10) == {3}
+    # the refusal came from the actor's answer; the cancel is the worker's
+    # guard against a start the failed call may have left running
+    assert actor.calls == ["run_load", "cancel_load"]
+
+
+def test_a_load_whose_actor_stops_answering_ends_failed(loop):
+    """The actor never answers run_load: past the load deadline plus two RPC
+    deadlines the load is cancelled (best effort) and reported failed."""
+    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
+    runner, _, _ = runner_for(holder, StallingTransport())
+    actor = AsyncActor(runner)
+    actor.answer.clear()
+    worker = worker_with(loop, actor, load_timeout_s=0.5)
+    grant = holder.leases.grant(published, "lease-h", holder.engine.identity())
+    began = time.monotonic()
+    worker.start_load_kv(async_step(("h", request(grant, [5], "load-h"))))
+    assert finished_within(worker, "h", 10) == {5}
+    assert time.monotonic() - began >= 0.5 + 2 * 0.5
+    assert actor.calls == ["run_load", "cancel_load"]
+    loop.run(_set(actor.answer), 5)
+
+
+def test_an_aborted_load_is_cancelled_and_reported_once_its_writes_end(loop):
+    """vLLM names the aborted request in finished_req_ids: a cancel is posted
+    (not waited for), and the request is reported once the load ended; a
+    stalled holder's later data lands nowhere."""
+    holder, published = loop.run(staged_holder(2, device_slots=2), 30)
+    transport = StallingTransport()
+    transport.stalled_lease = "lease-x"
+    runner, target, _ = runner_for(holder, transport)
+    actor = AsyncActor(runner)
+    worker = worker_with(loop, actor)
+    grant = holder.leases.grant(published, "lease-x", holder.engine.identity())
+    before = [target.read_block(b).clone() for b in (6, 7)]
+    worker.start_load_kv(async_step(("x", request(grant, [6, 7], "load-x"))))
+    began = time.perf_counter()
+    assert worker.get_finished({"x"}) == (None, None)  # the load is stalled
+    assert time.perf_counter() - began < POST_S
+    assert worker.get_finished({"x"}) == (None, None)  # one cancel only
+    loop.run(_set(transport.go_on), 5)  # the holder answers; the load stops
+    done: set[str] = set()
+    deadline = time.monotonic() + 10
+    while "x" not in done and time.monotonic() < deadline:
+        done |= worker.get_finished(set())[1] or set()
+        time.sleep(0.01)
+    assert done == {"x"}
+    assert worker.get_block_ids_with_load_errors() == {6, 7}
+    assert actor.calls == ["run_load", "cancel_load"]
+    for block, old in zip((6, 7), before, strict=True):
+        assert torch.equal(target.read_block(block), old)
+    assert worker._in_flight == {}
+
+
+def test_a_load_posted_after_the_loop_closed_is_reported_failed(loop):
+    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
+    runner, _, _ = runner_for(holder, StallingTransport())
+    actor = AsyncActor(runner)
+    worker = worker_with(loop, actor)
+    grant = holder.leases.grant(published, "lease-c", holder.engine.identity())
+    loop.close()
+    worker.start_load_kv(async_step(("c", request(grant, [2], "load-c"))))
+    assert worker.get_finished(set()) == (None, {"c"})
+    assert worker.get_block_ids_with_load_errors() == {2}
+    assert actor.calls == []
