@@ -318,7 +318,10 @@ class XavierCluster:
         model_uid: str,
         num_replicas: int = 2,
         rpc_timeout_s: float = 5.0,
+        envs: Sequence[dict[str, str]] | None = None,
     ) -> None:
+        """``envs``: extra environment of each sub-pool (sub-pool ``i + 1`` gets
+        ``envs[i]``), e.g. to make one holder's UCX TCP-only."""
         ensure_importable()
         from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
         from xinference.model.llm.vllm.xavier.tracker import (
@@ -335,6 +338,7 @@ class XavierCluster:
                 "127.0.0.1",
                 n_process=num_replicas + 1,  # one sub-pool spare for test peers
                 external_address_schemes=["nixl"] * (num_replicas + 2),
+                envs=list(envs) if envs is not None else None,
             ),
             120,
         )
@@ -376,10 +380,12 @@ class XavierCluster:
         gpu_cache_bytes: int | None = None,
         sub_pool: int | None = None,
         cpu_capacity_blocks: int | None = None,
+        actor_cls: type | None = None,
     ) -> str:
         """Create replica ``rank``'s transfer actor, by default in sub-pool
         ``rank + 1`` (ranks beyond the replicas wrap around). ``gpu_cache_bytes``:
-        see ``XavierConfig`` (not None selects GPU-first, i.e. asynchronous loads)."""
+        see ``XavierConfig`` (not None selects GPU-first, i.e. asynchronous loads).
+        ``actor_cls``: a test subclass of ``XavierTransferActor``."""
         if sub_pool is None:
             sub_pool = rank % self.num_replicas + 1
         from xinference.model.llm.vllm.xavier.actor.transfer_actor import (
@@ -399,7 +405,7 @@ class XavierCluster:
         )
         ref = self.loop.run(
             xo.create_actor(
-                XavierTransferActor,
+                actor_cls or XavierTransferActor,
                 config,
                 address=self.address,
                 uid=transfer_actor_uid(self.model_uid, rank),

@@ -45,11 +45,7 @@ class AsyncActor:
         if self.refuse is not None:
             raise self.refuse
         await self.runner.start(req)
-        try:
-            result: LoadResult = await self.runner.wait(req.load_id, timeout)
-        except TimeoutError:
-            await self.runner.cancel(req.load_id)
-            result = await self.runner.wait(req.load_id, 0)
+        result: LoadResult = await self.runner.wait_or_cancel(req.load_id, timeout)
         return result
 
     async def cancel_load(self, load_id: str) -> None:

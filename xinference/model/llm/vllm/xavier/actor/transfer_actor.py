@@ -451,12 +451,7 @@ class XavierTransferActor(xo.StatelessActor):
         answer its result once it ends. One still running after ``timeout`` is
         cancelled (its writes end first) and answered as failed."""
         await self.start_load(req)
-        loads = self._require_mapped().loads
-        try:
-            return await loads.wait(req.load_id, timeout)
-        except TimeoutError:
-            await loads.cancel(req.load_id)
-            return await loads.wait(req.load_id, 0)
+        return await self._require_mapped().loads.wait_or_cancel(req.load_id, timeout)
 
     async def cancel_load(self, load_id: str) -> None:
         """Stop a load at its next chunk and wait until its writes have finished,
