@@ -61,6 +61,9 @@ class Completion:
     token_ids: tuple[int, ...]
     num_cached_tokens: int  # local prefix-cache hits plus external (Xavier) tokens
     kv_transfer_params: dict[str, Any] | None  # what the connector reported
+    # from its first scheduling to its last token, in the engine core; only
+    # where the engine keeps request stats (``disable_log_stats=False``)
+    engine_seconds: float | None = None
 
 
 def xavier_external_tokens(completion: Completion) -> int:
@@ -232,6 +235,14 @@ class EngineProcess:
         return message[1]
 
 
+def _engine_seconds(metrics: Any) -> float | None:
+    """A request's time in the engine core, from its first scheduling to its last
+    token (vLLM's ``RequestStateStats``; None without request stats)."""
+    scheduled = getattr(metrics, "scheduled_ts", 0.0)
+    last = getattr(metrics, "last_token_ts", 0.0)
+    return last - scheduled if scheduled and last else None
+
+
 def _engine_main(
     conn: multiprocessing.connection.Connection,
     kwargs: dict[str, Any],
@@ -292,6 +303,7 @@ def _engine_main(
                     tuple(o.outputs[0].token_ids),
                     int(o.num_cached_tokens or 0),
                     o.kv_transfer_params,
+                    _engine_seconds(o.metrics),
                 )
                 for o in outputs
             ]
