@@ -201,3 +201,22 @@ def test_a_load_posted_after_the_loop_closed_is_reported_failed(loop):
     assert worker.get_finished(set()) == (None, {"c"})
     assert worker.get_block_ids_with_load_errors() == {2}
     assert actor.calls == []
+
+
+def test_close_with_a_posted_load_in_flight_does_not_hang(loop):
+    """The actor never answers run_load: close cancels the load through the actor
+    (best effort, within its deadline) and the loop's close ends the call."""
+    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
+    runner, _, _ = runner_for(holder, StallingTransport())
+    actor = AsyncActor(runner)
+    actor.answer.clear()
+    worker = worker_with(loop, actor)
+    grant = holder.leases.grant(published, "lease-z", holder.engine.identity())
+    worker.start_load_kv(async_step(("z", request(grant, [1], "load-z"))))
+    began = time.monotonic()
+    worker.close()
+    loop.close(timeout=2.0)
+    # two RPC deadlines for the cancel, the loop's own timeout, and slack
+    assert time.monotonic() - began < 2 * 0.5 + 2.0 + 1.0
+    assert actor.calls == ["run_load", "cancel_load"]
+    assert worker._in_flight == {}
