@@ -290,9 +290,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "async_post_waits_for_the_load",
         f"{X}/connector/load_completions.py",
-        "            future = self._loop.submit(self._run(actor, req))\n",
-        "            future = self._loop.submit(self._run(actor, req))\n"
-        "            future.result()\n",
+        "            self._loop.submit(self._run(actor, req))\n",
+        "            self._loop.submit(self._run(actor, req)).result()\n",
         (f"{T}/connector/test_worker_async_loads.py",),
         k="returns_before",
         group="issue28",

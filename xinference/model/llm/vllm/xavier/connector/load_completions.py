@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
@@ -68,9 +67,9 @@ async def cancel_quietly(actor: Any, load_id: str, rpc_timeout_s: float) -> int:
 class PostedLoads:
     """Asynchronous loads running on the background loop, and their completions.
 
-    ``post``, ``cancel`` and ``drain`` are called from the engine's thread; the
-    loop only appends to the completion queue (a deque: appends and pops are
-    atomic), so the two threads share nothing else.
+    ``post``, ``cancel_aborted`` and ``drain`` are called from the engine's
+    thread; the loop only appends to the completion queue (a deque: appends and
+    pops are atomic), so the two threads share nothing else.
     """
 
     def __init__(
@@ -80,19 +79,19 @@ class PostedLoads:
         self._rpc_timeout_s = rpc_timeout_s
         self._load_timeout_s = load_timeout_s
         self._completions: collections.deque[LoadCompletion] = collections.deque()
-        # load id -> its call on the loop, until drained
-        self._running: dict[str, concurrent.futures.Future[None]] = {}
+        # ids of the loads posted and not drained yet
+        self._running: set[str] = set()
 
     def post(self, actor: Any, req: LoadRequest) -> None:
         """Start ``req`` in the background; returns at once."""
         try:
-            future = self._loop.submit(self._run(actor, req))
+            self._loop.submit(self._run(actor, req))
         except Exception as exc:  # the loop is closed: the load never starts
             self._completions.append(
                 LoadCompletion(req.load_id, f"not started: {exc!r}", round_trips=0)
             )
             return
-        self._running[req.load_id] = future
+        self._running.add(req.load_id)
 
     def cancel_aborted(
         self,
@@ -118,13 +117,9 @@ class PostedLoads:
         done: list[LoadCompletion] = []
         while self._completions:
             completion = self._completions.popleft()
-            self._running.pop(completion.load_id, None)
+            self._running.discard(completion.load_id)
             done.append(completion)
         return done
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
 
     async def _run(self, actor: Any, req: LoadRequest) -> None:
         # The actor's own wait gives up at load_timeout_s and cancels the load;
