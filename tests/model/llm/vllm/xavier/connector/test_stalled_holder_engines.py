@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import statistics
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from xinference.model.llm.vllm.xavier.actor.transfer_actor import (  # noqa: E402
     XavierTransferActor,
+)
+from xinference.model.llm.vllm.xavier.connector.fast_path import (  # noqa: E402
+    SyncLoadPolicy,
 )
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks  # noqa: E402
 from xinference.model.llm.vllm.xavier.wire import LoadRequest, LoadResult  # noqa: E402
@@ -179,12 +183,21 @@ def test_a_holder_stopped_mid_load_does_not_stall_the_loaders_batch(replicas):
     # The first load from A also meets it (asynchronous, whatever the path).
     seconds, first, _ = replicas.batch_with_hit(1, stop_holder=False)
     assert xavier_external_tokens(first) > 0, first.kv_transfer_params
-    live = []
-    for seed in (2, 3):
+    live: list[float] = []
+    for seed in range(2, 8):
         seconds, hit, on_a = replicas.batch_with_hit(seed, stop_holder=False)
-        assert xavier_external_tokens(hit) > 0, hit.kv_transfer_params
         assert hit.token_ids == on_a.token_ids
-        live.append(seconds)
+        if xavier_external_tokens(hit) > 0:
+            live.append(seconds)
+            if len(live) == 2:
+                break
+        else:
+            # Recomputed, exactly: on a busy 2-core host a bounded load can miss
+            # its bound (then A is backed off for a while), or B's mirror can
+            # lag the tracker. Wait the backoff out: the stalled load below
+            # must take the path under test.
+            time.sleep(SyncLoadPolicy(False, "").backoff_s + 1.0)
+    assert len(live) == 2, "A's hits kept being recomputed with A live"
     before = replicas.cluster.stats(1).actor
     stalled_s, stalled, on_a = replicas.batch_with_hit(4, stop_holder=True)
     ratio = stalled_s / max(live)
