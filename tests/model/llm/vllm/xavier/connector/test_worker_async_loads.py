@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -77,6 +78,37 @@ def worker_with(
     return worker
 
 
+@dataclass
+class Setup:
+    """A holder with ``n`` published snapshots, a lease on them, and a worker
+    whose in-process actor loads through ``transport``."""
+
+    holder: Any
+    target: Any  # the loader's engine cache
+    actor: AsyncActor
+    worker: WorkerSide
+    grant: Any
+
+
+def setup(
+    loop: BackgroundLoop,
+    n: int,
+    lease_id: str,
+    *,
+    answer: bool = True,
+    transport: StallingTransport | None = None,
+    load_timeout_s: float = 15.0,
+) -> Setup:
+    holder, published = loop.run(staged_holder(n, device_slots=n), 30)
+    runner, target, _ = runner_for(holder, transport or StallingTransport())
+    actor = AsyncActor(runner)
+    if not answer:
+        actor.answer.clear()
+    worker = worker_with(loop, actor, load_timeout_s)
+    grant = holder.leases.grant(published, lease_id, holder.engine.identity())
+    return Setup(holder, target, actor, worker, grant)
+
+
 def async_step(*loads: tuple[str, Any]) -> StepMetadata:
     return StepMetadata(
         loads=tuple(RequestLoad(req_id, load) for req_id, load in loads),
@@ -105,12 +137,14 @@ def test_start_load_kv_returns_before_the_actor_answers(loop):
     """The actor takes its time to answer: the engine's step is not held up, and
     the load is reported once its completion arrives, with its blocks loaded and
     one call on the actor (no start, no polls)."""
-    holder, published = loop.run(staged_holder(2, device_slots=2), 30)
-    runner, target, _ = runner_for(holder, StallingTransport())
-    actor = AsyncActor(runner)
-    actor.answer.clear()
-    worker = worker_with(loop, actor)
-    grant = holder.leases.grant(published, "lease-a", holder.engine.identity())
+    one = setup(loop, 2, "lease-a", answer=False)
+    holder, target, actor, worker, grant = (
+        one.holder,
+        one.target,
+        one.actor,
+        one.worker,
+        one.grant,
+    )
     began = time.perf_counter()
     worker.start_load_kv(async_step(("a", request(grant, [8, 9], "load-a"))))
     assert time.perf_counter() - began < POST_S
@@ -129,12 +163,9 @@ def test_start_load_kv_returns_before_the_actor_answers(loop):
 
 
 def test_a_load_the_actor_refuses_is_reported_failed(loop):
-    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
-    runner, _, _ = runner_for(holder, StallingTransport())
-    actor = AsyncActor(runner)
+    one = setup(loop, 1, "lease-r")
+    actor, worker, grant = one.actor, one.worker, one.grant
     actor.refuse = ValueError("conflicting destinations")
-    worker = worker_with(loop, actor)
-    grant = holder.leases.grant(published, "lease-r", holder.engine.identity())
     worker.start_load_kv(async_step(("r", request(grant, [3], "load-r"))))
     assert finished_within(worker, "r", 10) == {3}
     # the refusal came from the actor's answer; the cancel is the worker's
@@ -145,12 +176,8 @@ def test_a_load_the_actor_refuses_is_reported_failed(loop):
 def test_a_load_whose_actor_stops_answering_ends_failed(loop):
     """The actor never answers run_load: past the load deadline plus two RPC
     deadlines the load is cancelled (best effort) and reported failed."""
-    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
-    runner, _, _ = runner_for(holder, StallingTransport())
-    actor = AsyncActor(runner)
-    actor.answer.clear()
-    worker = worker_with(loop, actor, load_timeout_s=0.5)
-    grant = holder.leases.grant(published, "lease-h", holder.engine.identity())
+    one = setup(loop, 1, "lease-h", answer=False, load_timeout_s=0.5)
+    actor, worker, grant = one.actor, one.worker, one.grant
     began = time.monotonic()
     worker.start_load_kv(async_step(("h", request(grant, [5], "load-h"))))
     assert finished_within(worker, "h", 10) == {5}
@@ -163,13 +190,10 @@ def test_an_aborted_load_is_cancelled_and_reported_once_its_writes_end(loop):
     """vLLM names the aborted request in finished_req_ids: a cancel is posted
     (not waited for), and the request is reported once the load ended; a
     stalled holder's later data lands nowhere."""
-    holder, published = loop.run(staged_holder(2, device_slots=2), 30)
     transport = StallingTransport()
     transport.stalled_lease = "lease-x"
-    runner, target, _ = runner_for(holder, transport)
-    actor = AsyncActor(runner)
-    worker = worker_with(loop, actor)
-    grant = holder.leases.grant(published, "lease-x", holder.engine.identity())
+    one = setup(loop, 2, "lease-x", transport=transport)
+    target, actor, worker, grant = one.target, one.actor, one.worker, one.grant
     before = [target.read_block(b).clone() for b in (6, 7)]
     worker.start_load_kv(async_step(("x", request(grant, [6, 7], "load-x"))))
     began = time.perf_counter()
@@ -191,11 +215,8 @@ def test_an_aborted_load_is_cancelled_and_reported_once_its_writes_end(loop):
 
 
 def test_a_load_posted_after_the_loop_closed_is_reported_failed(loop):
-    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
-    runner, _, _ = runner_for(holder, StallingTransport())
-    actor = AsyncActor(runner)
-    worker = worker_with(loop, actor)
-    grant = holder.leases.grant(published, "lease-c", holder.engine.identity())
+    one = setup(loop, 1, "lease-c")
+    actor, worker, grant = one.actor, one.worker, one.grant
     loop.close()
     worker.start_load_kv(async_step(("c", request(grant, [2], "load-c"))))
     assert worker.get_finished(set()) == (None, {"c"})
@@ -206,12 +227,8 @@ def test_a_load_posted_after_the_loop_closed_is_reported_failed(loop):
 def test_close_with_a_posted_load_in_flight_does_not_hang(loop):
     """The actor never answers run_load: close cancels the load through the actor
     (best effort, within its deadline) and the loop's close ends the call."""
-    holder, published = loop.run(staged_holder(1, device_slots=1), 30)
-    runner, _, _ = runner_for(holder, StallingTransport())
-    actor = AsyncActor(runner)
-    actor.answer.clear()
-    worker = worker_with(loop, actor)
-    grant = holder.leases.grant(published, "lease-z", holder.engine.identity())
+    one = setup(loop, 1, "lease-z", answer=False)
+    actor, worker, grant = one.actor, one.worker, one.grant
     worker.start_load_kv(async_step(("z", request(grant, [1], "load-z"))))
     began = time.monotonic()
     worker.close()
