@@ -25,8 +25,10 @@ Each remote hit also reports, from the connector (``kv_transfer_params``):
                JSON also lists how many of them waited for a late grant
   round trips  actor calls on that path: the tracker (when its mirror was not
                ready), the reservation on the holder, the loader's calls on its
-               own transfer actor (start, waits, polls) and that actor's calls on
-               the holder before it recorded the result
+               own transfer actor (``run_load`` on the asynchronous path,
+               ``load_now`` on the fast path, a fence or cancel where one was
+               needed) and that actor's calls on the holder before it recorded
+               the result
 
 ``--variant LABEL=ENV=VALUE[,ENV=VALUE]`` runs the whole measurement once per
 variant, with fresh engines whose environment carries those variables (e.g. to

@@ -286,6 +286,53 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_heartbeat.py",),
         group="issue27",
     ),
+    # ---- issue 28: the asynchronous path posts, completions are pushed -----------
+    Mutation(
+        "async_post_waits_for_the_load",
+        f"{X}/connector/load_completions.py",
+        "            self._loop.submit(self._run(actor, req))\n",
+        "            self._loop.submit(self._run(actor, req)).result()\n",
+        (f"{T}/connector/test_worker_async_loads.py",),
+        k="returns_before",
+        group="issue28",
+    ),
+    Mutation(
+        "async_run_load_no_deadline",
+        f"{X}/connector/load_completions.py",
+        "deadline = self._load_timeout_s + 2 * self._rpc_timeout_s",
+        "deadline = 3600.0",
+        (f"{T}/connector/test_worker_async_loads.py",),
+        k="stops_answering",
+        group="issue28",
+    ),
+    Mutation(
+        "async_failed_call_not_reported",
+        f"{X}/connector/load_completions.py",
+        'outcome = f"run_load failed: {type(exc).__name__}: {exc}"',
+        "return",
+        (f"{T}/connector/test_worker_async_loads.py",),
+        k="refuses",
+        group="issue28",
+    ),
+    Mutation(
+        "async_aborted_load_not_cancelled",
+        f"{X}/connector/load_completions.py",
+        "if load.req_id not in aborted or load.cancel_posted:",
+        "if True:",
+        (f"{T}/connector/test_worker_async_loads.py",),
+        k="aborted",
+        group="issue28",
+    ),
+    Mutation(
+        "run_load_not_cancelled_at_its_deadline",
+        f"{X}/actor/loads.py",
+        "            await self.cancel(load_id)\n"
+        "            return await self.wait(load_id, 0)\n",
+        "            raise\n",
+        (f"{T}/actor/test_bounded_loads.py",),
+        k="deadline",
+        group="issue28",
+    ),
     # ---- this tool's own machinery --------------------------------------------
     Mutation(
         "planted_file_never_restored",

@@ -61,6 +61,9 @@ class Completion:
     token_ids: tuple[int, ...]
     num_cached_tokens: int  # local prefix-cache hits plus external (Xavier) tokens
     kv_transfer_params: dict[str, Any] | None  # what the connector reported
+    # from its first scheduling to its last token, in the engine core; only
+    # where the engine keeps request stats (``disable_log_stats=False``)
+    engine_seconds: float | None = None
 
 
 def xavier_external_tokens(completion: Completion) -> int:
@@ -232,6 +235,14 @@ class EngineProcess:
         return message[1]
 
 
+def _engine_seconds(metrics: Any) -> float | None:
+    """A request's time in the engine core, from its first scheduling to its last
+    token (vLLM's ``RequestStateStats``; None without request stats)."""
+    scheduled = getattr(metrics, "scheduled_ts", 0.0)
+    last = getattr(metrics, "last_token_ts", 0.0)
+    return last - scheduled if scheduled and last else None
+
+
 def _engine_main(
     conn: multiprocessing.connection.Connection,
     kwargs: dict[str, Any],
@@ -292,6 +303,7 @@ def _engine_main(
                     tuple(o.outputs[0].token_ids),
                     int(o.num_cached_tokens or 0),
                     o.kv_transfer_params,
+                    _engine_seconds(o.metrics),
                 )
                 for o in outputs
             ]
@@ -318,7 +330,10 @@ class XavierCluster:
         model_uid: str,
         num_replicas: int = 2,
         rpc_timeout_s: float = 5.0,
+        envs: Sequence[dict[str, str]] | None = None,
     ) -> None:
+        """``envs``: extra environment of each sub-pool (sub-pool ``i + 1`` gets
+        ``envs[i]``), e.g. to make one holder's UCX TCP-only."""
         ensure_importable()
         from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
         from xinference.model.llm.vllm.xavier.tracker import (
@@ -335,6 +350,7 @@ class XavierCluster:
                 "127.0.0.1",
                 n_process=num_replicas + 1,  # one sub-pool spare for test peers
                 external_address_schemes=["nixl"] * (num_replicas + 2),
+                envs=list(envs) if envs is not None else None,
             ),
             120,
         )
@@ -376,10 +392,12 @@ class XavierCluster:
         gpu_cache_bytes: int | None = None,
         sub_pool: int | None = None,
         cpu_capacity_blocks: int | None = None,
+        actor_cls: type | None = None,
     ) -> str:
         """Create replica ``rank``'s transfer actor, by default in sub-pool
         ``rank + 1`` (ranks beyond the replicas wrap around). ``gpu_cache_bytes``:
-        see ``XavierConfig`` (not None selects GPU-first, i.e. asynchronous loads)."""
+        see ``XavierConfig`` (not None selects GPU-first, i.e. asynchronous loads).
+        ``actor_cls``: a test subclass of ``XavierTransferActor``."""
         if sub_pool is None:
             sub_pool = rank % self.num_replicas + 1
         from xinference.model.llm.vllm.xavier.actor.transfer_actor import (
@@ -399,7 +417,7 @@ class XavierCluster:
         )
         ref = self.loop.run(
             xo.create_actor(
-                XavierTransferActor,
+                actor_cls or XavierTransferActor,
                 config,
                 address=self.address,
                 uid=transfer_actor_uid(self.model_uid, rank),

@@ -109,3 +109,32 @@ async def test_the_fence_waits_for_a_write_in_flight_from_a_thread():
     # it landed before the fence returned
     for src, dst in enumerate((2, 8)):
         assert torch.equal(target.read_block(dst), holder.engine.read_block(src))
+
+
+async def test_an_asynchronous_load_past_its_deadline_is_cancelled_and_answered():
+    """``wait_or_cancel`` (the actor's ``run_load``): a load still running at its
+    deadline is stopped at its next chunk, and answered failed once its writes
+    are over; nothing lands in its blocks afterwards."""
+    holder, published = await staged_holder(2, device_slots=2)
+    grant = holder.leases.grant(published, "lease-d", holder.engine.identity())
+    transport = FakeTransport(chunk_rows=1)
+    go_on = asyncio.Event()
+
+    async def stall() -> None:  # the holder is slow before every chunk
+        await go_on.wait()
+
+    transport.before_chunk = stall
+    runner, target, counters = runner_for(holder, transport)
+    before = [target.read_block(b).clone() for b in (4, 9)]
+    await runner.start(request(grant, [4, 9]))
+    answer = asyncio.ensure_future(runner.wait_or_cancel("load-1", 0.2))
+    await asyncio.sleep(0.5)
+    # past the deadline it was asked to stop; it ends at its next chunk
+    assert not answer.done()
+    go_on.set()
+    result = await asyncio.wait_for(answer, 5.0)
+    assert not result.ok and "cancelled" in (result.error or "")
+    assert counters.loads_cancelled == 1
+    for block, old in zip((4, 9), before, strict=True):
+        assert torch.equal(target.read_block(block), old)
+    assert runner.in_flight == 0 and runner.finished() == []

@@ -211,6 +211,16 @@ class LoadRunner:
                 f"no load {load_id!r} to wait for (or already collected)"
             ) from None
 
+    async def wait_or_cancel(self, load_id: str, timeout: float) -> LoadResult:
+        """Wait for a load to end and collect its result; one still running after
+        ``timeout`` is cancelled (its writes end first) and its result, failed,
+        collected (the asynchronous path's one call, ``run_load``)."""
+        try:
+            return await self.wait(load_id, timeout)
+        except TimeoutError:
+            await self.cancel(load_id)
+            return await self.wait(load_id, 0)
+
     async def wait_bounded(self, load_id: str, wait_s: float) -> LoadResult:
         """Wait at most ``wait_s`` for a load to end and collect its result; past
         that, fence the load (``fence``) and answer that it failed, so the caller

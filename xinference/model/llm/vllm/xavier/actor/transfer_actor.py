@@ -7,7 +7,8 @@ face of three parts that need no xoscar: ``staging.py`` (snapshot computed block
 ``leases.py`` (the holder side) and ``loads.py`` (the loader side). Its callers:
 
 - the worker half of the connector: ``map_engine_caches``, ``stage``,
-  ``start_load`` / ``wait_load`` / ``finished_loads`` / ``cancel_load``, and
+  ``run_load`` (asynchronous loads), ``load_now`` / ``fence_load`` (bounded
+  synchronous ones), ``start_load`` / ``wait_load`` / ``cancel_load``, and
   ``record_connector_fault``;
 - the scheduler half: ``reserve`` / ``release`` on the holder, after asking the
   tracker who holds a prefix;
@@ -60,6 +61,7 @@ from .staging import (
     SnapshotCopy,
     copy_blocks_into_store,
     copy_ring_into_store,
+    import_staging_ring,
     stage_snapshots,
 )
 from .tracker_updates import TrackerUpdates
@@ -241,7 +243,9 @@ class XavierTransferActor(xo.StatelessActor):
             )
         cache = BlockMajorCache(tensors, layout, scatter_graphs=graphs_requested())
         identity = ReplicaIdentity(model, cache.geometry, layout.name)
-        ring = None if staging_ring is None else _import_ring(staging_ring, cache)
+        ring = (
+            None if staging_ring is None else import_staging_ring(staging_ring, cache)
+        )
         store = TieredKVSnapshotStore(
             identity.geometry,
             cache.device,
@@ -465,13 +469,12 @@ class XavierTransferActor(xo.StatelessActor):
             return self._results_after_close.pop(load_id)
         return await self._require_mapped().loads.wait(load_id, timeout)
 
-    async def finished_loads(self) -> list[LoadResult]:
-        """Results of the loads that ended since the last call (each reported once)."""
-        if self._mapped is None:
-            results = list(self._results_after_close.values())
-            self._results_after_close.clear()
-            return results
-        return self._mapped.loads.finished()
+    async def run_load(self, req: LoadRequest, timeout: float) -> LoadResult:
+        """The asynchronous path in one call: start a load (as ``start_load``) and
+        answer its result once it ends. One still running after ``timeout`` is
+        cancelled (its writes end first) and answered as failed."""
+        await self.start_load(req)
+        return await self._require_mapped().loads.wait_or_cancel(req.load_id, timeout)
 
     async def cancel_load(self, load_id: str) -> None:
         """Stop a load at its next chunk and wait until its writes have finished,
@@ -597,25 +600,6 @@ class XavierTransferActor(xo.StatelessActor):
         # xo.wait_for rather than asyncio.wait_for: it times out even when the
         # cancellation of an actor call cannot reach an unresponsive peer.
         return await xo.wait_for(call, self._config.rpc_timeout_s)
-
-
-def _import_ring(handles: SharedTensorHandles, cache: BlockMajorCache) -> torch.Tensor:
-    """Map the worker's staging ring and check it has the store's row layout."""
-    (ring,) = import_tensors(handles)
-    num_layers, row_nbytes = cache.num_layers, cache.layout.layer_block_nbytes
-    if (
-        ring.dtype != torch.uint8
-        or ring.dim() != 2
-        or ring.shape[1] != row_nbytes
-        or ring.shape[0] % num_layers
-        or ring.device != cache.device
-    ):
-        raise ValueError(
-            f"the staging ring is {ring.dtype} {tuple(ring.shape)} on {ring.device}; "
-            f"expected uint8 rows of {row_nbytes} bytes, {num_layers} per slot, on "
-            f"{cache.device}"
-        )
-    return ring
 
 
 class _Tracked:

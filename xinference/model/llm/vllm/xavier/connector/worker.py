@@ -7,7 +7,9 @@ by the model runner once per step. It
   (``_ensure_gpu_cache_mapping``; CPU: shared memory in place, CUDA: IPC);
 - starts the loads the scheduler half decided; a synchronous load is waited for
   before the forward (the CPU runner zeroes new blocks just before, so writes must
-  land after that and before attention); an asynchronous one is polled each step;
+  land after that and before attention); an asynchronous one is posted to the
+  background loop without waiting, and its completion pushed back
+  (``load_completions.py``);
 - after the forward, copies the blocks that became full (prompt or generated) into
   its staging ring, with copies queued on the engine's stream so nothing the engine
   writes next can overtake them, and hands the ring slots to the actor, which
@@ -27,7 +29,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
 from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
+from .load_completions import InFlightLoad, PostedLoads, cancel_quietly
 from .staging_ring import RingStaging, StagingRing
 from .step import RequestLoad, StepMetadata
 
@@ -65,19 +68,6 @@ class WorkerSettings:
 # Beyond a synchronous load's bound (the actor's wait for the data), how long the
 # engine waits for the actor's reply before it fences the load itself.
 REPLY_ALLOWANCE_S = 0.005
-
-
-@dataclass(slots=True)
-class _InFlightLoad:
-    req_id: str
-    dst_block_ids: tuple[int, ...]
-    # vLLM waits for it before this step's forward, not in get_finished
-    synchronous: bool = False
-    started: float = field(default_factory=time.monotonic)
-    cancel: asyncio.Future[None] | None = None  # cancel_load in progress
-    # actor calls on this load's critical path: start_load, each wait or poll
-    # until its result came, and the actor's own calls on the holder
-    round_trips: int = 1
 
 
 # Returns this replica's transfer actor (an xoscar actor ref, or a test object with
@@ -112,8 +102,11 @@ class WorkerSide:
         self._last_map_attempt = float("-inf")
         self._map_failures = 0
         self._closed = False
-        # load_id -> load not yet reported finished (async path)
-        self._in_flight: dict[str, _InFlightLoad] = {}
+        # load_id -> load not yet reported finished
+        self._in_flight: dict[str, InFlightLoad] = {}
+        self._posted = PostedLoads(
+            loop, settings.rpc_timeout_s, settings.load_timeout_s
+        )
         # requests whose load ended (or never started) but are not yet reported
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -271,7 +264,7 @@ class WorkerSide:
             return
         for item in loads:
             assert item.load is not None
-            self._in_flight[item.load.load_id] = _InFlightLoad(
+            self._in_flight[item.load.load_id] = InFlightLoad(
                 item.req_id,
                 item.load.dst_block_ids,
                 not item.is_async(default),
@@ -281,9 +274,10 @@ class WorkerSide:
         outcomes, loads = run_lease_free(self._direct, loads)
         for load_id, error in outcomes.items():
             self._load_ended(load_id, error)
-        started = [i.load for i in loads if i.is_async(default) and i.load]
-        if started:
-            self._run_actor(self._start_all(started), self._settings.rpc_timeout_s)
+        for item in loads:
+            if item.is_async(default) and item.load is not None:
+                # posted, not waited for: its completion is pushed (get_finished)
+                self._posted.post(self._actor, item.load)
         synchronous = [i for i in loads if not i.is_async(default)]
         bounded = [i for i in synchronous if i.bound_s is not None]
         if bounded:
@@ -348,16 +342,13 @@ class WorkerSide:
 
         await asyncio.gather(*(fence(i) for i in load_ids))
 
-    async def _start_all(self, requests: Sequence[Any]) -> None:
+    async def _start_and_wait_all(self, requests: Sequence[Any]) -> None:
         results = await asyncio.gather(
             *(self._actor.start_load(r) for r in requests), return_exceptions=True
         )
         for request, result in zip(requests, results, strict=True):
             if isinstance(result, BaseException):
                 self._load_ended(request.load_id, f"start failed: {result!r}")
-
-    async def _start_and_wait_all(self, requests: Sequence[Any]) -> None:
-        await self._start_all(requests)
 
         async def wait_one(load_id: str) -> None:
             if load_id not in self._in_flight:
@@ -382,12 +373,7 @@ class WorkerSide:
         await asyncio.gather(*(self._cancel_quietly(i) for i in load_ids))
 
     async def _cancel_quietly(self, load_id: str) -> None:
-        try:
-            await with_deadline(
-                self._actor.cancel_load(load_id), self._settings.rpc_timeout_s
-            )
-        except Exception as exc:
-            logger.error("Xavier: cancelling load %s failed: %r", load_id, exc)
+        await cancel_quietly(self._actor, load_id, self._settings.rpc_timeout_s)
 
     def _load_ended(self, load_id: str, outcome: str | LoadResult | None) -> None:
         """Record the end of a load: ``outcome`` is its result, or the error that
@@ -437,8 +423,8 @@ class WorkerSide:
         always None. A load of an aborted request is cancelled; the request is
         reported once its writes are over.
         """
-        if self._in_flight and self._actor is not None:
-            self._run_actor(self._poll(finished_req_ids), self._settings.rpc_timeout_s)
+        if self._in_flight:
+            self._take_completions(finished_req_ids)
         if self._ring_stagings:
             self._hand_over_ring_stagings()  # once a step, whatever else happens
         # Only asynchronous loads are reported: synchronous ones finished inside
@@ -446,26 +432,15 @@ class WorkerSide:
         done, self._finished_recving = self._finished_recving, set()
         return None, (done or None)
 
-    async def _poll(self, finished_req_ids: set[str]) -> None:
-        for load in self._in_flight.values():
-            load.round_trips += 1
-        try:
-            results: list[LoadResult] = await self._actor.finished_loads()
-        except Exception as exc:
-            # Still enforce the deadlines below: a load whose actor stopped
-            # answering is cancelled (best effort) and then reported failed, so
-            # its request recomputes instead of waiting forever.
-            logger.error("Xavier: polling the transfer actor failed: %r", exc)
-            results = []
-        for result in results:
-            self._load_ended(result.load_id, result)
-        now = time.monotonic()
-        for load_id, load in list(self._in_flight.items()):
-            late = now - load.started > self._settings.load_timeout_s
-            if load.cancel is None and (load.req_id in finished_req_ids or late):
-                load.cancel = asyncio.ensure_future(self._cancel_quietly(load_id))
-            elif load.cancel is not None and load.cancel.done():
-                self._load_ended(load_id, "cancelled")
+    def _take_completions(self, finished_req_ids: set[str]) -> None:
+        """Record the asynchronous loads whose completions were pushed, and post
+        cancels for those of aborted requests: no actor call waits here."""
+        for done in self._posted.drain():
+            if done.load_id in self._in_flight:
+                self._in_flight[done.load_id].round_trips = done.round_trips
+            self._load_ended(done.load_id, done.outcome)
+        if self._actor is not None:
+            self._posted.cancel_aborted(self._actor, self._in_flight, finished_req_ids)
 
     def take_round_trips(self) -> dict[str, int]:
         """Per request whose load ended since the last call: the actor round trips
