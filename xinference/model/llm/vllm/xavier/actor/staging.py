@@ -19,7 +19,7 @@ import torch
 
 from ..aio import finish_even_if_cancelled
 from ..engine.blocks import BlockMajorCache
-from ..engine.device import fence
+from ..engine.device import SharedTensorHandles, fence, import_tensors
 from ..engine.layout import copy_snapshot_rows
 from ..hashing import BlockHash
 from ..stats import ActorCounters
@@ -126,3 +126,22 @@ def copy_ring_into_store(
     fence(ring.device)
     if store.device != ring.device:
         fence(store.device)
+
+
+def import_staging_ring(handles: SharedTensorHandles, cache: BlockMajorCache) -> torch.Tensor:
+    """Map the worker's staging ring and check it has the store's row layout."""
+    (ring,) = import_tensors(handles)
+    num_layers, row_nbytes = cache.num_layers, cache.layout.layer_block_nbytes
+    if (
+        ring.dtype != torch.uint8
+        or ring.dim() != 2
+        or ring.shape[1] != row_nbytes
+        or ring.shape[0] % num_layers
+        or ring.device != cache.device
+    ):
+        raise ValueError(
+            f"the staging ring is {ring.dtype} {tuple(ring.shape)} on {ring.device}; "
+            f"expected uint8 rows of {row_nbytes} bytes, {num_layers} per slot, on "
+            f"{cache.device}"
+        )
+    return ring
