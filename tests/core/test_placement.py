@@ -193,7 +193,11 @@ def test_each_rank_of_a_tensor_parallel_replica_holds_its_budget_on_its_gpu():
     assert refusal is not None and "2 replica(s) on GPU 0" in refusal
     assert (
         device_budget_refusal(
-            plan, 500, gpu_memory={"0": 1000, "1": 1000}, host_available_bytes=0, worker="w"
+            plan,
+            500,
+            gpu_memory={"0": 1000, "1": 1000},
+            host_available_bytes=0,
+            worker="w",
         )
         is None
     )

@@ -145,7 +145,11 @@ def plan_replicas(
         env = replica_environment(
             xavier=xavier, gpu=gpu, user_env=user_env, cuda_host=cuda_host
         )
-        if not cuda_host and devices_per_replica > 1 and CPU_THREADS_BIND not in user_env:
+        if (
+            not cuda_host
+            and devices_per_replica > 1
+            and CPU_THREADS_BIND not in user_env
+        ):
             env[CPU_THREADS_BIND] = cpu_threads_bind(
                 rank, devices_per_replica, host_cpus, num_replicas
             )

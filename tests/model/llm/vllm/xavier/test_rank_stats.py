@@ -31,9 +31,9 @@ def rank(loads_ok: int, p95: float | None, mapped: bool = True, **kw) -> XavierS
             buckets=((0.01, loads_ok), (0.1, loads_ok)),
         ),
         store=StoreStats(device_hits=loads_ok, cpu_bytes=100) if mapped else None,
-        transport=TransportStats(received_useful_bytes=10 * loads_ok)
-        if mapped
-        else None,
+        transport=(
+            TransportStats(received_useful_bytes=10 * loads_ok) if mapped else None
+        ),
         cpu_tier_transport=TransportStats() if mapped else None,
         engine=ENGINE if mapped else None,
         **kw,
@@ -53,7 +53,9 @@ def test_counters_and_bytes_are_summed_and_latency_is_the_slowest_rank_s():
 
 def test_a_replica_is_mapped_only_once_every_rank_is():
     error = "ValueError: layout"
-    merged = merge_rank_stats([rank(1, None), rank(0, None, False, mapping_error=error)])
+    merged = merge_rank_stats(
+        [rank(1, None), rank(0, None, False, mapping_error=error)]
+    )
     assert not merged.mapped and merged.transport is None and merged.engine is None
     assert merged.mapping_error == f"tp rank 1: {error}"
 

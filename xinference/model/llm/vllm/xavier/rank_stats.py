@@ -37,13 +37,15 @@ def merge_rank_stats(ranks: Sequence[XavierStats]) -> XavierStats:
         engine=first.engine if all(s.engine is not None for s in ranks) else None,
         in_flight_loads=sum(s.in_flight_loads for s in ranks),
         closed=any(s.closed for s in ranks),
-        mapping_error="; ".join(
-            f"tp rank {i}: {s.mapping_error}"
-            for i, s in enumerate(ranks)
-            if s.mapping_error is not None
-        )
-        if errors
-        else None,
+        mapping_error=(
+            "; ".join(
+                f"tp rank {i}: {s.mapping_error}"
+                for i, s in enumerate(ranks)
+                if s.mapping_error is not None
+            )
+            if errors
+            else None
+        ),
     )
 
 

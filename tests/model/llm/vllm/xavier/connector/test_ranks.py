@@ -138,7 +138,7 @@ def test_every_rank_stages_and_loads_under_the_scheduler_s_keys():
     parts = [step_for_rank(step, tp, 2) for tp in (0, 1)]
     for tp, part in enumerate(parts):
         assert part.stage == step.stage
-        (first, second) = part.loads
+        first, second = part.loads
         assert first.load is not None and first.load.grant.keys == KEYS[:3]
         assert first.load.grant == shard_for_rank(combined, tp)
         assert first.load.dst_block_ids == (7, 8, 9)

@@ -49,9 +49,7 @@ def test_one_rank_s_failed_blocks_are_failed_for_every_rank():
 
 def test_a_load_finishes_only_when_every_rank_reported_it():
     aggregator = KVOutputAggregator(expected_finished_count=2)
-    first = aggregator.aggregate(
-        [rank_output(finished_recving={"r1"}), rank_output()]
-    )
+    first = aggregator.aggregate([rank_output(finished_recving={"r1"}), rank_output()])
     assert not first.kv_connector_output.finished_recving
     second = aggregator.aggregate(
         [rank_output(), rank_output(finished_recving={"r1"}, invalid_block_ids={9})]

@@ -46,7 +46,10 @@ class RankRegistry:
         return self._holders.get(key, 0) == self._all
 
     async def rank_changed(
-        self, tp_rank: int, dropped: bytes | list[BlockHash], added: bytes | list[BlockHash]
+        self,
+        tp_rank: int,
+        dropped: bytes | list[BlockHash],
+        added: bytes | list[BlockHash],
     ) -> None:
         """Rank ``tp_rank`` dropped then added these keys; tell the tracker what
         became complete or incomplete (one call, none when nothing did)."""

@@ -128,7 +128,9 @@ def copy_ring_into_store(
         fence(store.device)
 
 
-def import_staging_ring(handles: SharedTensorHandles, cache: BlockMajorCache) -> torch.Tensor:
+def import_staging_ring(
+    handles: SharedTensorHandles, cache: BlockMajorCache
+) -> torch.Tensor:
     """Map the worker's staging ring and check it has the store's row layout."""
     (ring,) = import_tensors(handles)
     num_layers, row_nbytes = cache.num_layers, cache.layout.layer_block_nbytes

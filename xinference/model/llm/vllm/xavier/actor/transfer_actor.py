@@ -249,7 +249,9 @@ class XavierTransferActor(xo.StatelessActor):
         identity = ReplicaIdentity(
             model, cache.geometry, layout.name, tensor_parallel_size=config.tp_size
         )
-        ring = None if staging_ring is None else import_staging_ring(staging_ring, cache)
+        ring = (
+            None if staging_ring is None else import_staging_ring(staging_ring, cache)
+        )
         store = TieredKVSnapshotStore(
             identity.geometry,
             cache.device,
@@ -378,7 +380,9 @@ class XavierTransferActor(xo.StatelessActor):
             self._operations.add(task)
             task.add_done_callback(self._operations.discard)
 
-    async def rank_blocks_changed(self, tp_rank: int, dropped: bytes, added: bytes) -> None:
+    async def rank_blocks_changed(
+        self, tp_rank: int, dropped: bytes, added: bytes
+    ) -> None:
         """The lead rank: another rank of this replica staged or dropped these."""
         await self._ranks.rank_changed(tp_rank, dropped, added)
 

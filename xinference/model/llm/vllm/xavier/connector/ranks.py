@@ -49,7 +49,11 @@ async def reserve_every_rank(
         await release_every_rank(
             tp_size,
             release,
-            only=[tp for tp, r in enumerate(results) if isinstance(r, LeaseGrant) and r.keys],
+            only=[
+                tp
+                for tp, r in enumerate(results)
+                if isinstance(r, LeaseGrant) and r.keys
+            ],
         )
         if failure is not None:
             raise failure
@@ -64,7 +68,9 @@ async def release_every_rank(
     """Release a lease on every rank (or on ``only`` those), concurrently; every
     release is tried, then the first failure is raised."""
     ranks = range(tp_size) if only is None else only
-    results = await asyncio.gather(*(release(tp) for tp in ranks), return_exceptions=True)
+    results = await asyncio.gather(
+        *(release(tp) for tp in ranks), return_exceptions=True
+    )
     failure = next((r for r in results if isinstance(r, BaseException)), None)
     if failure is not None:
         raise failure
@@ -73,7 +79,9 @@ async def release_every_rank(
 def shard_for_rank(grant: LeaseGrant, tp_rank: int) -> LeaseGrant:
     """Rank ``tp_rank``'s part of a grant made by ``reserve_every_rank``."""
     if tp_rank == 0:
-        return dataclasses.replace(grant, rank_shards=()) if grant.rank_shards else grant
+        return (
+            dataclasses.replace(grant, rank_shards=()) if grant.rank_shards else grant
+        )
     if not 0 < tp_rank <= len(grant.rank_shards):
         raise ValueError(
             f"the grant of lease {grant.lease_id} has parts for "

@@ -154,7 +154,9 @@ class XavierConnector(KVConnectorBase_V1):
         )
         check_supported(vllm_config, kv_cache_config, options.tensor_parallel_size)
         # this worker's engine rank (the scheduler half decides for rank 0..N-1)
-        self._tp_rank = 0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
+        self._tp_rank = (
+            0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
+        )
         self._options = options
         self._kv_cache_tensors = kv_cache_config.kv_cache_tensors
         block_size = vllm_config.cache_config.block_size
@@ -544,4 +546,6 @@ class XavierConnector(KVConnectorBase_V1):
     def _step(self) -> StepMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, XavierConnectorMetadata)
-        return step_for_rank(meta.step, self._tp_rank, self._options.tensor_parallel_size)
+        return step_for_rank(
+            meta.step, self._tp_rank, self._options.tensor_parallel_size
+        )
