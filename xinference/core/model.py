@@ -23,6 +23,7 @@ from typing import Any
 import xoscar as xo
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
+from ..model.llm.vllm.xavier.rank_stats import merge_rank_stats
 from ..model.llm.vllm.xavier.stats import XavierStats
 from .messages import (
     GenerationChunk,
@@ -233,8 +234,10 @@ class ReplicaModelActor(xo.StatelessActor):
 
     async def stats(self) -> ReplicaStats:
         xavier = None
+        ranks: list[XavierStats] = []
         if self._transfer is not None:
-            xavier = await self._transfer.stats()
+            ranks = await self._transfer.rank_stats()
+            xavier = merge_rank_stats(ranks)
         return ReplicaStats(
             model_uid=self._spec.model_uid,
             rank=self._spec.rank,
@@ -245,6 +248,7 @@ class ReplicaModelActor(xo.StatelessActor):
             cached_prompt_tokens_total=self._cached_prompt_tokens,
             generated_tokens_total=self._generated_tokens,
             xavier=xavier,
+            xavier_ranks=tuple(ranks) if len(ranks) > 1 else (),
         )
 
     # ---- generation ---------------------------------------------------------------
