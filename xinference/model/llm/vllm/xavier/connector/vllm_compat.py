@@ -103,9 +103,12 @@ def cross_layer_views(
     return list(logical.unbind(0))
 
 
-def tensor_parallel_rank() -> int:
+def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
     """This worker process's rank in its engine's tensor-parallel group (vLLM sets
-    the group up before it creates the worker's KV connector)."""
+    the group up before it creates the worker's KV connector; with one rank there
+    may be no group at all)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())

@@ -155,7 +155,9 @@ class XavierConnector(KVConnectorBase_V1):
         check_supported(vllm_config, kv_cache_config, options.tensor_parallel_size)
         # this worker's engine rank (the scheduler half decides for rank 0..N-1)
         self._tp_rank = (
-            0 if role == KVConnectorRole.SCHEDULER else tensor_parallel_rank()
+            0
+            if role == KVConnectorRole.SCHEDULER
+            else tensor_parallel_rank(vllm_config)
         )
         self._options = options
         self._kv_cache_tensors = kv_cache_config.kv_cache_tensors
