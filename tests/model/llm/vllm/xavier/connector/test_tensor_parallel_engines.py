@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import random
 import signal
 import tempfile
 import time
@@ -55,6 +54,7 @@ from ..vllm_support import (  # noqa: E402
     xavier_external_tokens,
 )
 from .instrumented_connector import FAULTS_FILE  # noqa: E402
+from .test_real_engines import tokens  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow]
 
@@ -63,11 +63,6 @@ NAMESPACE = f"{MODEL_UID}|bfloat16|{BLOCK_SIZE}"
 TP = 2
 CPU_BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 MAX_TOKENS = 8
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 1000) for _ in range(n)]
 
 
 PREFIX = tokens(1, 4 * BLOCK_SIZE)
