@@ -125,3 +125,33 @@ async def _never():
 def test_rank_numbers_are_checked(tp_rank, tp_size):
     with pytest.raises(ValueError, match="tp_rank must be in"):
         ReplicaRanks(0, tp_rank, tp_size)
+
+
+@pytest.mark.timeout(20)  # without the deadline the registry would wait for ever
+def test_a_stopped_tracker_holds_the_registry_only_until_the_deadline():
+    class StoppedOnce(Tracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stopped = True
+
+        async def update_blocks(self, rank, dropped, added):
+            if self.stopped:
+                self.stopped = False
+                await asyncio.sleep(3600)
+            await super().update_blocks(rank, dropped, added)
+
+    async def deadline(call):
+        return await asyncio.wait_for(call, 0.2)
+
+    async def scenario() -> None:
+        tracker = StoppedOnce()
+        registry = RankRegistry(3, 2, tracker, deadline)
+        await registry.rank_changed(0, [], KEYS[:2])
+        with pytest.raises(asyncio.TimeoutError):
+            await registry.rank_changed(1, [], KEYS[:2])  # the tracker hangs
+        # the next change goes through at once (the lock was released)
+        await asyncio.wait_for(registry.rank_changed(1, [], KEYS[2:3]), 1.0)
+        await registry.rank_changed(0, [], KEYS[2:3])
+        assert tracker.listed == {KEYS[2]}  # the missed change stays missed
+
+    asyncio.run(scenario())

@@ -23,22 +23,33 @@ from ..hashing import BlockHash
 # How the lead of a replica is reached: its actor ref (resolved lazily: the ranks'
 # actors are created in order, and a ref is cheap to ask again).
 LeadRef = Callable[[], Awaitable[Any]]
+# Bounds one call to the tracker (the actor's deadline on peers).
+Deadline = Callable[[Awaitable[Any]], Awaitable[Any]]
+
+
+async def _no_deadline(call: Awaitable[Any]) -> Any:
+    return await call
 
 
 class RankRegistry:
     """Key -> the ranks of this replica that hold it, kept by the lead rank.
 
     ``tracker`` is the tracker's ref (``update_blocks(rank, dropped, added)``, packed
-    keys); changes reach it in the order they were made here.
+    keys); changes reach it in the order they were made here, each call bounded by
+    ``deadline`` (the lock is held across it: a stopped tracker must not hold up
+    every later change of the replica for longer).
     """
 
-    def __init__(self, rank: int, tp_size: int, tracker: Any) -> None:
+    def __init__(
+        self, rank: int, tp_size: int, tracker: Any, deadline: Deadline = _no_deadline
+    ) -> None:
         if tp_size < 2:
             raise ValueError(f"a rank registry needs >= 2 ranks, got {tp_size}")
         self._rank = rank
         self._all = (1 << tp_size) - 1
         self._tp_size = tp_size
         self._tracker = tracker
+        self._deadline = deadline
         self._holders: dict[BlockHash, int] = {}  # key -> bit mask of tp ranks
         self._lock = asyncio.Lock()
 
@@ -76,8 +87,10 @@ class RankRegistry:
             again = set(complete)
             lost = [key for key in lost if key not in again]
             if lost or complete:
-                await self._tracker.update_blocks(
-                    self._rank, pack_keys(lost), pack_keys(complete)
+                await self._deadline(
+                    self._tracker.update_blocks(
+                        self._rank, pack_keys(lost), pack_keys(complete)
+                    )
                 )
 
     def view(self, tp_rank: int) -> _RankView:
@@ -111,7 +124,9 @@ class LeadLink:
 class ReplicaRanks:
     """How one rank's transfer actor reaches the tracker, and what it may tell it."""
 
-    def __init__(self, rank: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, rank: int, tp_rank: int, tp_size: int, deadline: Deadline = _no_deadline
+    ) -> None:
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(
                 f"tp_rank must be in 0..tp_size-1 and tp_size >= 1, got tp_rank "
@@ -120,6 +135,7 @@ class ReplicaRanks:
         self._rank = rank
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self._deadline = deadline
         self.registry: RankRegistry | None = None
 
     @property
@@ -135,7 +151,7 @@ class ReplicaRanks:
         await tracker.register_replica(self._rank, address)
         if self.tp_size == 1:
             return tracker
-        self.registry = RankRegistry(self._rank, self.tp_size, tracker)
+        self.registry = RankRegistry(self._rank, self.tp_size, tracker, self._deadline)
         return self.registry.view(0)
 
     async def rank_changed(self, tp_rank: int, dropped: bytes, added: bytes) -> None:

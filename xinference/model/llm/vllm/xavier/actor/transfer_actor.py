@@ -155,7 +155,9 @@ class XavierTransferActor(xo.StatelessActor):
         self._tracker_updates = TrackerUpdates(
             config.rank, self._counters, self._deadline
         )
-        self._ranks = ReplicaRanks(config.rank, config.tp_rank, config.tp_size)
+        self._ranks = ReplicaRanks(
+            config.rank, config.tp_rank, config.tp_size, self._deadline
+        )
         # successful loads, from start_load to their result
         self._load_latency = LatencyRecorder()
         self._closing = False
