@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -249,25 +250,29 @@ class XavierConnector(KVConnectorBase_V1):
         lease_id: str,
         requester: ReplicaIdentity,
     ) -> LeaseGrant:
+        """Reserve on every engine rank of the holder (``ranks.py``)."""
 
         async def reserve(tp_rank: int) -> LeaseGrant:
             actor = await self._holder(holder, tp_rank)
             return await actor.reserve(keys, lease_id, requester)
 
-        async def release(tp_rank: int) -> None:
-            actor = await self._holder(holder, tp_rank)
-            await actor.release(lease_id)
-
         return await reserve_every_rank(
-            self._options.tensor_parallel_size, reserve, release
+            self._options.tensor_parallel_size,
+            reserve,
+            functools.partial(self._release_rank, holder, lease_id),
         )
 
     async def _release(self, holder: PrefixHit, lease_id: str) -> None:
-        async def release(tp_rank: int) -> None:
-            actor = await self._holder(holder, tp_rank)
-            await actor.release(lease_id)
+        await release_every_rank(
+            self._options.tensor_parallel_size,
+            functools.partial(self._release_rank, holder, lease_id),
+        )
 
-        await release_every_rank(self._options.tensor_parallel_size, release)
+    async def _release_rank(
+        self, holder: PrefixHit, lease_id: str, tp_rank: int
+    ) -> None:
+        actor = await self._holder(holder, tp_rank)
+        await actor.release(lease_id)
 
     async def _holder(self, holder: PrefixHit, tp_rank: int) -> Any:
         uid = transfer_actor_uid(self._options.model_uid, holder.rank, tp_rank)
@@ -276,7 +281,11 @@ class XavierConnector(KVConnectorBase_V1):
     async def _transfer_actor(self) -> Any:
         """This worker's own transfer actor (its engine rank's)."""
         options = self._options
-        uid = transfer_actor_uid(options.model_uid, options.rank, self._tp_rank)
+        uid = (
+            options.transfer_uid
+            if self._tp_rank == 0
+            else transfer_actor_uid(options.model_uid, options.rank, self._tp_rank)
+        )
         return await self._refs.get(options.transfer_address, uid)
 
     def _report_fault(self, where: str) -> None:
