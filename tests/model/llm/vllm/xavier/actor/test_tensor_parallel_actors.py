@@ -38,16 +38,23 @@ TP = 2
 KEYS = hash_full_blocks(list(range(6 * SPEC.block_size)), SPEC.block_size, "tp-actors")
 
 
-async def replica(cluster: Cluster, rank: int) -> tuple[list[SyntheticEngine], Any]:
+async def replica(
+    cluster: Cluster,
+    rank: int,
+    gpu_cache_bytes: int | None = None,
+    transport: str = "nixl",
+) -> tuple[list[SyntheticEngine], Any]:
     engines = [SyntheticEngine(SPEC) for _ in range(TP)]
     config = TransferActorConfig(
         model_uid=MODEL,
         rank=rank,
         tracker_address=cluster.tracker_address,
         tracker_uid=tracker_uid(MODEL),
+        gpu_cache_bytes=gpu_cache_bytes,
         cpu_capacity_blocks=32,
         rpc_timeout_s=20.0,
         tp_size=TP,
+        transport=transport,
     )
     group = await TransferActorGroup.create(config, cluster.sub_pool(rank))
     for tp_rank, (engine, ref) in enumerate(zip(engines, group.refs, strict=True)):
@@ -66,9 +73,21 @@ async def stage(group: Any, tp_rank: int, keys: list[bytes], blocks: list[int]) 
     await ref.wait_tracker_updates()  # a rank other than the lead: via the lead
 
 
-async def test_shards_move_rank_to_rank_and_only_whole_blocks_are_listed(cluster):
-    holder_engines, holder = await replica(cluster, 0)
-    loader_engines, loader = await replica(cluster, 1)
+@pytest.mark.parametrize(
+    "budget_blocks, transport",
+    [(None, "nixl"), (16, "nixl"), (16, "xoscar")],
+    ids=["cpu-tier", "device-tier-nixl", "device-tier-xoscar"],
+)
+async def test_shards_move_rank_to_rank_and_only_whole_blocks_are_listed(
+    cluster, budget_blocks, transport
+):
+    budget = None
+    if budget_blocks is not None:
+        budget = (
+            budget_blocks * SyntheticEngine(SPEC, share=False).geometry.block_nbytes
+        )
+    holder_engines, holder = await replica(cluster, 0, budget, transport)
+    loader_engines, loader = await replica(cluster, 1, None, transport)
     for tp_rank, engine in enumerate(holder_engines):
         engine.fill_random(range(0, 6), seed=100 + tp_rank)
     requester = dataclasses.replace(
@@ -115,7 +134,10 @@ async def test_shards_move_rank_to_rank_and_only_whole_blocks_are_listed(cluster
     # The replica's stats are its ranks' summed.
     stats = await loader.stats()
     assert stats.actor.loads_ok == TP
-    assert stats.actor.cpu_tier_blocks_loaded == TP * 4
+    loaded = stats.actor.cpu_tier_blocks_loaded + stats.actor.device_tier_blocks_loaded
+    assert loaded == TP * 4
+    tier = "cpu" if budget_blocks is None else "device"
+    assert all(set(shard_for_rank(grant, tp).tiers) == {tier} for tp in range(TP))
     await release_every_rank(TP, release)  # idempotent after the loads' own
     await holder.close()
     await loader.close()
