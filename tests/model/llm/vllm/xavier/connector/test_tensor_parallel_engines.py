@@ -13,8 +13,10 @@ it the same way, ``core/placement.py``). The model has 4 KV heads, 2 per rank.
    each of its ranks from the same rank of A; its outputs equal the reference.
 4. B's rank 1 fails its part of a load (an injected fault): vLLM recomputes the
    blocks on both ranks and the outputs still equal the reference.
-5. B's rank 1 worker process is killed: B's engine is dead (the serving layer's
-   liveness monitor marks such a replica gone, ``core/liveness.py``).
+5. B's rank 1 worker process is killed: vLLM's executor notices and B's engine
+   fails its requests, while A serves on. (Through the serving layer, a replica
+   whose engine died is marked gone by the liveness monitor, ``core/liveness.py``;
+   not started here.)
 """
 
 from __future__ import annotations
