@@ -25,8 +25,10 @@ from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.wire import (
     CPU_TIER,
     DEVICE_TIER,
+    KVGeometry,
     LeaseGrant,
     LoadRequest,
+    ReplicaIdentity,
     StageItem,
 )
 
@@ -164,3 +166,15 @@ def test_round_trips_of_a_load_are_its_slowest_rank_s():
         "b": 1,
         "c": 1,
     }
+
+
+def test_replicas_of_other_tensor_parallel_sizes_are_incompatible():
+    """KV moves rank r to rank r: a peer that splits the heads otherwise is
+    refused by name (the holder's LeaseBook raises it), never loaded from."""
+    geometry = KVGeometry(num_layers=2, layer_block_nbytes=64, logical_dtype="bf16")
+    two = ReplicaIdentity("m", geometry, "packed_kv", tensor_parallel_size=2)
+    one = dataclasses.replace(two, tensor_parallel_size=1)
+    assert two.incompatibility(one) == (
+        "tensor_parallel_size differs: 2 here, 1 on the peer"
+    )
+    assert two.incompatibility(dataclasses.replace(two)) is None
