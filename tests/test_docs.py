@@ -19,7 +19,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from xinference.core.metrics import XAVIER_METRICS
+from xinference.core.metrics import XAVIER_METRICS, XAVIER_RANK_METRICS
 from xinference.core.options import LaunchSpec
 from xinference.deploy import cmdline
 
@@ -302,7 +302,7 @@ def test_the_docs_show_commands_at_all() -> None:
 
 def test_every_exported_xavier_series_is_in_the_metrics_reference() -> None:
     reference = (ROOT / "docs/metrics.md").read_text()
-    for metric in XAVIER_METRICS:
+    for metric in (*XAVIER_METRICS, *XAVIER_RANK_METRICS):
         name = metric.name + ("_total" if metric.kind == "counter" else "")
         assert f"`{name}`" in reference, name
 

@@ -43,12 +43,8 @@ def http(server):
             "xavier_gpu_cache_bytes 1024.0 TiB per replica does not fit",
         ),
         (
-            dict(replica=2, enable_xavier=True, tensor_parallel_size=2),
-            "must be 1, got 2 and 1",
-        ),
-        (
             dict(replica=2, enable_xavier=True, pipeline_parallel_size=2),
-            "must be 1, got 1 and 2",
+            "pipeline_parallel_size must be 1, got 2",
         ),
         (
             dict(replica=2, xavier_gpu_cache_bytes="1GiB"),

@@ -1,5 +1,7 @@
 """Prometheus rendering from literal counters."""
 
+import dataclasses
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -115,6 +117,30 @@ def test_per_replica_xavier_series():
     assert not any(
         name.startswith("xavier_") and labels == r1 for name, labels in values
     )
+
+
+def test_a_tensor_parallel_replica_is_broken_down_by_engine_rank():
+    healthy = XavierStats(actor=ActorCounters(cpu_tier_blocks_loaded=4, loads_ok=1))
+    failing = XavierStats(
+        actor=ActorCounters(loads_failed=1, connector_faults=2), store=StoreStats()
+    )
+    replica = dataclasses.replace(
+        stats(0, XAVIER_STATS), xavier_ranks=(healthy, failing)
+    )
+    values = scrape([ReplicaSample(replica), ReplicaSample(stats(1, XAVIER_STATS))])
+
+    def get(name, tp_rank, rank="0"):
+        labels = (("model_uid", "m"), ("rank", rank), ("tp_rank", tp_rank))
+        return values.get((name, tuple(sorted(labels))))
+
+    assert get("xavier_rank_remote_hits_total", "0") == 4
+    assert get("xavier_rank_remote_hits_total", "1") == 0
+    assert get("xavier_rank_load_errors_total", "1") == 1
+    assert get("xavier_rank_connector_faults_total", "1") == 2
+    # the replica's own series stay its summed stats; one-rank replicas have no
+    # breakdown
+    assert values[("xavier_loads_total", (("model_uid", "m"), ("rank", "0")))] == 3
+    assert get("xavier_rank_remote_hits_total", "0", rank="1") is None
 
 
 def test_no_replicas_renders_only_metadata():

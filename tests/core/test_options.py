@@ -112,12 +112,8 @@ def test_generation_config_defaults_to_auto_and_reaches_the_engine(model_dir):
             "malformed size",
         ),
         (
-            dict(replica=2, enable_xavier=True, tensor_parallel_size=2),
-            "tensor_parallel_size and pipeline_parallel_size must be 1, got 2 and 1",
-        ),
-        (
             dict(replica=2, enable_xavier=True, pipeline_parallel_size=2),
-            "must be 1, got 1 and 2",
+            "pipeline_parallel_size must be 1, got 2",
         ),
         (
             dict(replica=2, xavier_gpu_cache_bytes="256MiB"),
@@ -153,10 +149,6 @@ def test_generation_config_defaults_to_auto_and_reaches_the_engine(model_dir):
         (dict(n_gpu="none"), "n_gpu=None (CPU only) cannot be chosen"),
         (dict(n_gpu=0), "n_gpu must be >= 1, got 0"),
         (dict(n_gpu=2, tensor_parallel_size=4), "n_gpu=2 and tensor_parallel_size=4"),
-        (
-            dict(replica=2, enable_xavier=True, n_gpu=2),
-            "tensor_parallel_size and pipeline_parallel_size must be 1, got 2 and 1",
-        ),
         (dict(gpu_idx=[0, 0]), "gpu_idx repeats a GPU: [0, 0]"),
         (dict(gpu_idx=[-1]), "gpu_idx must be >= 0, got -1"),
         (dict(gpu_idx="0,1"), "gpu_idx must be a GPU index or a list of them"),
@@ -231,6 +223,14 @@ def test_upstream_placement_keys_have_their_meaning(model_dir):
     assert spec.engine.tensor_parallel_size == 2
     assert spec.gpu_idx == (1, 0) and spec.worker_ip == "127.0.0.1"
     assert launch(model_dir, gpu_idx=3).gpu_idx == (3,)
+
+
+@pytest.mark.parametrize(
+    "options", [dict(tensor_parallel_size=2), dict(n_gpu=2), dict(n_gpu="2")]
+)
+def test_xavier_accepts_tensor_parallel_replicas(model_dir, options):
+    spec = launch(model_dir, replica=2, enable_xavier=True, **options)
+    assert spec.xavier.enabled and spec.engine.tensor_parallel_size == 2
 
 
 def test_default_model_uid():

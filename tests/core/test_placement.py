@@ -133,3 +133,71 @@ def test_without_a_gpu_the_device_tier_must_fit_in_available_host_memory():
             )
             is None
         )
+
+
+def test_tensor_parallel_replicas_get_their_own_devices():
+    plan = plan_replicas(
+        2, gpus=("0", "1", "2", "3"), xavier=True, user_env={}, devices_per_replica=2
+    )
+    assert [p.gpu for p in plan] == ["0,1", "2,3"]
+    assert [p.env_dict()["CUDA_VISIBLE_DEVICES"] for p in plan] == ["0,1", "2,3"]
+    assert not any(p.shares_gpu for p in plan)
+    # Fewer GPUs than replicas * ranks: whole groups are shared, never split.
+    shared = plan_replicas(
+        2, gpus=("0", "1", "2"), xavier=True, user_env={}, devices_per_replica=2
+    )
+    assert [p.gpu for p in shared] == ["0,1", "0,1"]
+    assert all(p.shares_gpu for p in shared)
+
+
+def test_a_tensor_parallel_replica_needs_that_many_gpus():
+    with pytest.raises(ValueError, match="needs 2 GPUs, and 1 are available"):
+        plan_replicas(2, gpus=("0",), xavier=True, user_env={}, devices_per_replica=2)
+
+
+def test_cpu_tensor_parallel_ranks_get_their_threads_bound():
+    """vLLM's CPU backend refuses 2 ranks on a host without 2 NUMA nodes unless
+    each rank's CPUs are named; the user's own choice is kept."""
+    plan = plan_replicas(
+        2, gpus=(), xavier=True, user_env={}, devices_per_replica=2, host_cpus=2
+    )
+    assert [p.env_dict()["VLLM_CPU_OMP_THREADS_BIND"] for p in plan] == ["0|1", "0|1"]
+    big = plan_replicas(
+        2, gpus=(), xavier=True, user_env={}, devices_per_replica=2, host_cpus=16
+    )
+    assert [p.env_dict()["VLLM_CPU_OMP_THREADS_BIND"] for p in big] == [
+        "0-3|4-7",
+        "8-11|12-15",
+    ]
+    user = {"VLLM_CPU_OMP_THREADS_BIND": "all"}
+    (kept,) = plan_replicas(
+        1, gpus=(), xavier=False, user_env=user, devices_per_replica=2, host_cpus=2
+    )
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in kept.env_dict()  # inherited
+    (single,) = plan_replicas(1, gpus=(), xavier=True, user_env={}, host_cpus=2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in single.env_dict()
+
+
+def test_each_rank_of_a_tensor_parallel_replica_holds_its_budget_on_its_gpu():
+    plan = plan_replicas(
+        2, gpus=("0", "1"), xavier=True, user_env={}, devices_per_replica=2
+    )
+    # both replicas share GPUs 0 and 1: each GPU holds two ranks' device tiers
+    refusal = device_budget_refusal(
+        plan,
+        600,
+        gpu_memory={"0": 1000, "1": 1000},
+        host_available_bytes=10**12,
+        worker="w",
+    )
+    assert refusal is not None and "2 replica(s) on GPU 0" in refusal
+    assert (
+        device_budget_refusal(
+            plan,
+            500,
+            gpu_memory={"0": 1000, "1": 1000},
+            host_available_bytes=0,
+            worker="w",
+        )
+        is None
+    )

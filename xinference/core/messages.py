@@ -211,8 +211,11 @@ class ReplicaStats:
     prompt_tokens_total: int
     cached_prompt_tokens_total: int
     generated_tokens_total: int
-    # The transfer actor's ``stats()``; None with Xavier off.
+    # The transfer actor's ``stats()`` (a tensor-parallel replica's: summed over
+    # its engine ranks); None with Xavier off.
     xavier: XavierStats | None = field(default=None)
+    # Each engine rank's own, rank 0 first, when the replica has several.
+    xavier_ranks: tuple[XavierStats, ...] = ()
 
 
 def format_counters(stats: dict[str, Any], prefix: str = "") -> str:

@@ -153,6 +153,32 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
 )
 
 
+# The breakdown of a tensor-parallel replica by engine rank (label ``tp_rank``):
+# what one rank failing or lagging shows as (the series above sum the ranks).
+XAVIER_RANK_METRICS: tuple[XavierMetric, ...] = (
+    XavierMetric(
+        "actor.device_tier_blocks_loaded",
+        "xavier_rank_remote_hits",
+        "Block shards this engine rank loaded from the same rank of a peer",
+    ),
+    XavierMetric(
+        "actor.cpu_tier_blocks_loaded",
+        "xavier_rank_remote_hits",
+        "Block shards this engine rank loaded from the same rank of a peer",
+    ),
+    XavierMetric(
+        "actor.loads_failed",
+        "xavier_rank_load_errors",
+        "Loads of this engine rank's shards that failed (every rank recomputed)",
+    ),
+    XavierMetric(
+        "actor.connector_faults",
+        "xavier_rank_connector_faults",
+        "Faults this engine rank's connector half contained",
+    ),
+)
+
+
 def lookup(stats: XavierStats, path: str) -> float | None:
     """The number at dotted attribute ``path`` of ``stats``; None while its section
     is absent (the engine's caches are not mapped yet). A path that names no field
@@ -364,11 +390,41 @@ def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
             key = tuple(_labels(sample.stats) + ([metric.tier] if metric.tier else []))
             series = values[metric.name]
             series[key] = series.get(key, 0.0) + value
+    yield from _filled(families, values)
+    yield _load_latency_histogram(samples)
+    yield from _rank_metrics(samples)
+
+
+def _rank_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
+    """``XAVIER_RANK_METRICS`` of the replicas with several engine ranks."""
+    families: dict[str, Any] = {}
+    values: dict[str, dict[tuple[str, ...], float]] = {}
+    for metric in XAVIER_RANK_METRICS:
+        if metric.name not in families:
+            labels = [*_LABELS, "tp_rank"]
+            families[metric.name] = CounterMetricFamily(
+                metric.name, metric.help, labels=labels
+            )
+            values[metric.name] = {}
+        for sample in samples:
+            for tp_rank, stats in enumerate(sample.stats.xavier_ranks):
+                value = lookup(stats, metric.stat)
+                if value is None:
+                    continue
+                key = (*_labels(sample.stats), str(tp_rank))
+                series = values[metric.name]
+                series[key] = series.get(key, 0.0) + value
+    yield from _filled(families, values)
+
+
+def _filled(
+    families: dict[str, Any], values: dict[str, dict[tuple[str, ...], float]]
+) -> Iterable[Metric]:
+    """Each family with its summed values (label tuple -> value) added."""
     for name, family in families.items():
         for key, value in values[name].items():
             family.add_metric(list(key), value)
         yield family
-    yield _load_latency_histogram(samples)
 
 
 def _load_latency_histogram(samples: Sequence[ReplicaSample]) -> Metric:

@@ -23,6 +23,7 @@ from typing import Any
 import xoscar as xo
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
+from ..model.llm.vllm.xavier.rank_stats import merge_rank_stats
 from ..model.llm.vllm.xavier.stats import XavierStats
 from .messages import (
     GenerationChunk,
@@ -77,7 +78,7 @@ class ReplicaModelActor(xo.StatelessActor):
         self._load_seconds = 0.0
         self._streams: dict[str, _Stream] = {}  # request id -> its stream
         self._reaper: asyncio.Task[None] | None = None
-        self._transfer: Any = None  # the transfer actor's ref, once created
+        self._transfer: Any = None  # its ranks' transfer actors (TransferActorGroup)
         self._loaded = False  # the engine started once
         self._loaded_xavier = False  # the transfer actor was created once
         self._requests_total = 0
@@ -121,15 +122,14 @@ class ReplicaModelActor(xo.StatelessActor):
         )
 
     async def start_transfer_actor(self) -> str:
-        """Create this replica's Xavier transfer actor in this sub-pool; its uid."""
+        """Create this replica's Xavier transfer actors (one per engine rank) in
+        this sub-pool; rank 0's uid."""
         settings = self._require_xavier()
         self._require_engine()
         # Imported here, in the replica process: it pulls in torch and NIXL, which
         # the supervisor and front-end processes never need.
-        from ..model.llm.vllm.xavier.actor.transfer_actor import (
-            TransferActorConfig,
-            XavierTransferActor,
-        )
+        from ..model.llm.vllm.xavier.actor.rank_group import TransferActorGroup
+        from ..model.llm.vllm.xavier.actor.transfer_actor import TransferActorConfig
 
         config = TransferActorConfig(
             model_uid=settings.model_uid,
@@ -142,13 +142,9 @@ class ReplicaModelActor(xo.StatelessActor):
             cpu_capacity_blocks=None,
             transport=settings.config.transport,
             rpc_timeout_s=settings.rpc_timeout_s,
+            tp_size=settings.tensor_parallel_size,
         )
-        self._transfer = await xo.create_actor(
-            XavierTransferActor,
-            config,
-            address=self.address,
-            uid=settings.transfer_uid,
-        )
+        self._transfer = await TransferActorGroup.create(config, self.address)
         self._loaded_xavier = True
         return settings.transfer_uid
 
@@ -201,7 +197,7 @@ class ReplicaModelActor(xo.StatelessActor):
             final: XavierStats = await transfer.stats()
             await transfer.close()
         finally:
-            await xo.destroy_actor(transfer)
+            await transfer.destroy()
         return final.as_dict()
 
     # ---- introspection ------------------------------------------------------------
@@ -238,8 +234,10 @@ class ReplicaModelActor(xo.StatelessActor):
 
     async def stats(self) -> ReplicaStats:
         xavier = None
+        ranks: list[XavierStats] = []
         if self._transfer is not None:
-            xavier = await self._transfer.stats()
+            ranks = await self._transfer.rank_stats()
+            xavier = merge_rank_stats(ranks)
         return ReplicaStats(
             model_uid=self._spec.model_uid,
             rank=self._spec.rank,
@@ -250,6 +248,7 @@ class ReplicaModelActor(xo.StatelessActor):
             cached_prompt_tokens_total=self._cached_prompt_tokens,
             generated_tokens_total=self._generated_tokens,
             xavier=xavier,
+            xavier_ranks=tuple(ranks) if len(ranks) > 1 else (),
         )
 
     # ---- generation ---------------------------------------------------------------

@@ -288,11 +288,13 @@ def _xavier_config(
             f"Xavier shares KV cache between replicas: it needs replica >= 2, "
             f"got {replica}"
         )
-    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+    # Tensor parallel is served rank to rank (every replica of the launch runs the
+    # same size); pipeline stages would split the layers, which Xavier does not.
+    if pipeline_parallel_size > 1:
         raise LaunchOptionError(
-            "Xavier supports one device per replica: tensor_parallel_size and "
-            f"pipeline_parallel_size must be 1, got {tensor_parallel_size} and "
-            f"{pipeline_parallel_size}"
+            "Xavier shares KV between whole replicas: pipeline_parallel_size must "
+            f"be 1, got {pipeline_parallel_size} (use tensor_parallel_size for "
+            "several devices per replica)"
         )
     try:
         size = None if gpu_cache_bytes is None else parse_size(gpu_cache_bytes)

@@ -28,6 +28,11 @@ DEFAULT_UCX_TLS = "tcp,cuda_copy,cuda_ipc"
 # Xavier's device tier and slabs.
 SHARED_GPU_BUDGET = 0.8
 
+# vLLM's CPU backend binds each rank's OpenMP threads to CPUs; with several ranks per
+# engine it wants the CPUs named per rank ("0|1": rank 0 on CPU 0, rank 1 on CPU 1)
+# unless it finds one NUMA node per rank, which a small host has not.
+CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaPlacement:
@@ -40,7 +45,7 @@ class ReplicaPlacement:
     """
 
     rank: int
-    gpu: str | None  # a CUDA_VISIBLE_DEVICES entry
+    gpu: str | None  # a CUDA_VISIBLE_DEVICES entry ("0,1": a tensor-parallel replica)
     address_scheme: str | None  # "nixl" with Xavier, None for a plain socket pool
     env: tuple[tuple[str, str], ...]
     gpu_memory_utilization: float | None = None
@@ -83,18 +88,55 @@ def describe_ucx(*, xavier: bool, user_env: Mapping[str, str], cuda_host: bool) 
     )
 
 
+def device_groups(gpus: Sequence[str], devices_per_replica: int) -> list[str]:
+    """``gpus`` cut into CUDA_VISIBLE_DEVICES entries of ``devices_per_replica``
+    devices each, in order (a device left over is not used)."""
+    if devices_per_replica < 1:
+        raise ValueError(f"devices_per_replica must be >= 1, got {devices_per_replica}")
+    if gpus and len(gpus) < devices_per_replica:
+        raise ValueError(
+            f"a replica of tensor_parallel_size {devices_per_replica} needs "
+            f"{devices_per_replica} GPUs, and {len(gpus)} are available "
+            f"({', '.join(gpus)})"
+        )
+    count = len(gpus) // devices_per_replica
+    return [
+        ",".join(gpus[i * devices_per_replica : (i + 1) * devices_per_replica])
+        for i in range(count)
+    ]
+
+
+def cpu_threads_bind(
+    replica_index: int, ranks: int, host_cpus: int, num_replicas: int
+) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for one CPU replica of ``ranks`` engine ranks:
+    every rank of every replica on this host gets its own CPUs while there are
+    enough, and they wrap around (shared) when there are not."""
+    per_rank = max(1, host_cpus // max(1, num_replicas * ranks))
+    parts = []
+    for tp_rank in range(ranks):
+        first = ((replica_index * ranks + tp_rank) * per_rank) % host_cpus
+        last = min(first + per_rank, host_cpus) - 1
+        parts.append(str(first) if first == last else f"{first}-{last}")
+    return "|".join(parts)
+
+
 def plan_replicas(
     num_replicas: int,
     *,
     gpus: Sequence[str],
     xavier: bool,
     user_env: Mapping[str, str],
+    devices_per_replica: int = 1,
+    host_cpus: int = 1,
 ) -> list[ReplicaPlacement]:
-    """Ranks 0..N-1, spread round-robin over ``gpus`` (empty: no device pinning)."""
+    """Ranks 0..N-1, spread round-robin over ``gpus`` (empty: no device pinning),
+    ``devices_per_replica`` of them each (a tensor-parallel replica's ranks)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    groups = device_groups(gpus, devices_per_replica)
     assigned = [
-        gpus[rank % len(gpus)] if gpus else None for rank in range(num_replicas)
+        groups[rank % len(groups)] if groups else None for rank in range(num_replicas)
     ]
     cuda_host = bool(gpus)
     ucx = describe_ucx(xavier=xavier, user_env=user_env, cuda_host=cuda_host)
@@ -103,6 +145,14 @@ def plan_replicas(
         env = replica_environment(
             xavier=xavier, gpu=gpu, user_env=user_env, cuda_host=cuda_host
         )
+        if (
+            not cuda_host
+            and devices_per_replica > 1
+            and CPU_THREADS_BIND not in user_env
+        ):
+            env[CPU_THREADS_BIND] = cpu_threads_bind(
+                rank, devices_per_replica, host_cpus, num_replicas
+            )
         sharing = assigned.count(gpu) if gpu is not None else 1
         placements.append(
             ReplicaPlacement(
@@ -143,9 +193,11 @@ def device_budget_refusal(
     if budget_bytes <= 0:
         return None
     per_replica = f"xavier_gpu_cache_bytes {format_size(budget_bytes)} per replica"
+    # Each engine rank keeps its own device tier of the budget, on its own GPU.
     sharing: dict[str | None, int] = {}
     for placement in placements:
-        sharing[placement.gpu] = sharing.get(placement.gpu, 0) + 1
+        for gpu_entry in (placement.gpu.split(",") if placement.gpu else [None]):
+            sharing[gpu_entry] = sharing.get(gpu_entry, 0) + 1
     for gpu, count in sharing.items():
         needed = count * budget_bytes
         if gpu is None:

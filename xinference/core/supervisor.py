@@ -314,6 +314,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
                     spec.xavier.enabled,
                     spec.gpu_idx,
                     spec.xavier.gpu_cache_bytes if spec.xavier.enabled else None,
+                    spec.engine.tensor_parallel_size,
                 ),
                 RPC_TIMEOUT_S,
             )
@@ -347,6 +348,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             tracker_uid=tracker_uid(spec.model_uid),
             transfer_address=address,
             transfer_uid=transfer_actor_uid(spec.model_uid, rank),
+            tensor_parallel_size=spec.engine.tensor_parallel_size,
         )
 
     async def _log_progress(self, record: Deployment) -> None:

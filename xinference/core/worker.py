@@ -145,9 +145,11 @@ class WorkerActor(xo.StatelessActor):
         xavier: bool,
         gpu_idx: Sequence[int] | None = None,
         device_budget_bytes: int | None = None,
+        devices_per_replica: int = 1,
     ) -> list[ReplicaPlacement]:
         """Placements of a model's replicas on this host, environment included;
-        ``gpu_idx`` picks which of this worker's GPUs they spread over. A Xavier
+        ``gpu_idx`` picks which of this worker's GPUs they spread over, each
+        replica taking ``devices_per_replica`` (its tensor-parallel size). A Xavier
         device tier of ``device_budget_bytes`` per replica that this host's memory
         cannot hold is refused here, before anything starts."""
         gpus = self._gpus or ()
@@ -159,9 +161,17 @@ class WorkerActor(xo.StatelessActor):
                     f"{len(gpus)} GPU(s)"
                 )
             gpus = tuple(gpus[index] for index in gpu_idx)
-        placements = plan_replicas(
-            num_replicas, gpus=gpus, xavier=xavier, user_env=os.environ
-        )
+        try:
+            placements = plan_replicas(
+                num_replicas,
+                gpus=gpus,
+                xavier=xavier,
+                user_env=os.environ,
+                devices_per_replica=devices_per_replica,
+                host_cpus=os.cpu_count() or 1,
+            )
+        except ValueError as error:  # too few GPUs for one replica
+            raise LaunchOptionError(f"worker {self.address}: {error}") from None
         if device_budget_bytes:
             refusal = device_budget_refusal(
                 placements,

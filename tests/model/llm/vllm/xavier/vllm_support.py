@@ -149,6 +149,11 @@ class EngineProcess:
         )
         self._child_conn = child_conn
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process (vLLM's engine core and workers are its children)."""
+        return self._process.pid
+
     def start(self) -> EngineProcess:
         self._process.start()
         self._child_conn.close()

@@ -121,3 +121,20 @@ class ActorRefs:
             ref = await xo.actor_ref(address, uid)
             self._refs[(address, uid)] = ref
         return ref
+
+
+class Tracked:
+    """``async with``: the current task is in ``tasks`` for the block's duration."""
+
+    def __init__(self, tasks: set[asyncio.Task[Any]]) -> None:
+        self._tasks = tasks
+        self._task: asyncio.Task[Any] | None = None
+
+    async def __aenter__(self) -> None:
+        self._task = asyncio.current_task()
+        if self._task is not None:
+            self._tasks.add(self._task)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._tasks.discard(self._task)

@@ -157,8 +157,10 @@ class XavierReplicaSettings:
     tracker_address: str
     tracker_uid: str
     transfer_address: str  # the replica's nixl:// pool address
-    transfer_uid: str
+    transfer_uid: str  # tensor-parallel rank 0's; see transfer_actor_uid
     rpc_timeout_s: float = 10.0
+    # engine ranks of this replica, each with its own transfer actor
+    tensor_parallel_size: int = 1
 
     def to_dict(self) -> dict:
         return {
@@ -174,6 +176,7 @@ class XavierReplicaSettings:
             "transfer_address": self.transfer_address,
             "transfer_uid": self.transfer_uid,
             "rpc_timeout_s": self.rpc_timeout_s,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
 
     @classmethod
@@ -195,10 +198,15 @@ class XavierReplicaSettings:
                 transfer_address=str(data["transfer_address"]),
                 transfer_uid=str(data["transfer_uid"]),
                 rpc_timeout_s=float(data.get("rpc_timeout_s", 10.0)),
+                tensor_parallel_size=int(data.get("tensor_parallel_size", 1)),
             )
         except KeyError as missing:
             raise ValueError(f"Xavier replica settings lack {missing}") from None
 
 
-def transfer_actor_uid(model_uid: str, rank: int) -> str:
-    return f"xavier-transfer-{model_uid}-{rank}"
+def transfer_actor_uid(model_uid: str, rank: int, tp_rank: int = 0) -> str:
+    """The transfer actor of replica ``rank``'s tensor-parallel rank ``tp_rank``
+    (every rank of a replica has its own, in the replica's pool; rank 0's uid is the
+    one a single-rank replica has)."""
+    base = f"xavier-transfer-{model_uid}-{rank}"
+    return base if tp_rank == 0 else f"{base}-tp{tp_rank}"

@@ -56,10 +56,14 @@ class ReplicaIdentity:
     geometry: KVGeometry
     layout: str  # the engine layout name, e.g. "block_first", "kv_first", "cpu"
     protocol_version: int = PROTOCOL_VERSION
+    # Ranks per replica; the geometry is one rank's shard (its KV heads). KV moves
+    # rank r to rank r only, so both sides must split the heads alike.
+    tensor_parallel_size: int = 1
 
     def incompatibility(self, other: ReplicaIdentity) -> str | None:
         """None when KV can move between the two replicas, else the reason."""
-        for name in ("model", "geometry", "protocol_version"):
+        names = ("model", "tensor_parallel_size", "geometry", "protocol_version")
+        for name in names:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs: {mine!r} here, {theirs!r} on the peer"
@@ -86,6 +90,9 @@ class LeaseGrant:
     # published locations): the generation each key's slot must still have when
     # read back after the data (``store/generations.py``). None: a leased grant.
     generations: tuple[int, ...] | None = None
+    # Tensor-parallel holders: the grants of ranks 1.. (this one is rank 0's), each
+    # with the same keys; empty for one rank per replica (``connector/ranks.py``).
+    rank_shards: tuple[LeaseGrant, ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.keys) == len(self.tiers) == len(self.logical_dtypes)):
@@ -95,6 +102,8 @@ class LeaseGrant:
         hint = self.transport_hint
         if hint is not None and len(hint.per_key) != len(self.keys):
             raise ValueError("a transport hint must have one entry per granted key")
+        if any(shard.keys != self.keys for shard in self.rank_shards):
+            raise ValueError("every rank's shard of a grant must have the same keys")
 
     def truncated(self, num_keys: int) -> LeaseGrant:
         """The grant of its first ``num_keys`` keys (the loader may take fewer)."""
@@ -110,6 +119,7 @@ class LeaseGrant:
             generations=(
                 None if self.generations is None else self.generations[:num_keys]
             ),
+            rank_shards=tuple(s.truncated(num_keys) for s in self.rank_shards),
         )
 
     @property

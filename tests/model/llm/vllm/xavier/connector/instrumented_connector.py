@@ -11,7 +11,7 @@ each call so a test can switch them while the engine runs:
 - ``faults``: names of methods of the connector's halves (``SchedulerSide``,
   ``WorkerSide``), one per line. Each call of a listed method raises
   ``InjectedFault`` instead of running: the facade must contain it and the engine
-  must go on.
+  must go on. ``method@tp1`` raises only in the worker of tensor-parallel rank 1.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def _listed(path: Path) -> set[str]:
 class _FaultyHalf:
     """Forwards to a connector half, raising for the methods listed in ``faults``."""
 
-    def __init__(self, half: Any, faults: Path) -> None:
+    def __init__(self, half: Any, faults: Path, tp_rank: int = 0) -> None:
         self._half = half
         self._faults = faults
+        self._tp_rank = tp_rank
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._half, name)
@@ -55,7 +56,8 @@ class _FaultyHalf:
             return target
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if name in _listed(self._faults):
+            listed = _listed(self._faults)
+            if name in listed or f"{name}@tp{self._tp_rank}" in listed:
                 raise InjectedFault(f"injected fault in {name}")
             return target(*args, **kwargs)
 
@@ -73,7 +75,9 @@ class InstrumentedXavierConnector(XavierConnector):
         if self._scheduler is not None:
             self._scheduler = _FaultyHalf(self._scheduler, faults)  # type: ignore
         if self._worker is not None:
-            self._worker = _FaultyHalf(self._worker, faults)  # type: ignore
+            self._worker = _FaultyHalf(  # type: ignore
+                self._worker, faults, self._tp_rank
+            )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer)]

@@ -106,9 +106,16 @@ def test_supported_configuration_has_no_reasons():
     assert unsupported_reasons(vllm_config(), PLAIN) == []
 
 
-def test_tensor_parallel_is_refused():
+def test_tensor_parallel_is_supported():
+    assert unsupported_reasons(vllm_config(tensor_parallel_size=2), PLAIN) == []
+
+
+def test_tensor_parallel_size_other_than_launched_is_refused():
+    # The replica was launched with tensor_parallel_size 1 (SETTINGS): an engine
+    # running 2 ranks would split the KV heads unlike its peers.
     message = refusal(vllm_config(tensor_parallel_size=2))
-    assert "tensor_parallel_size=2" in message and "set both to 1" in message
+    assert "the engine runs tensor_parallel_size=2" in message
+    assert "launched with 1" in message
 
 
 def test_pipeline_parallel_is_refused():

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 import xoscar as xo
 
-from ..aio import ActorRefs
+from ..aio import ActorRefs, Tracked
 from ..change_log import Location
 from ..config import DEFAULT_TRANSPORT, TRANSPORTS, transfer_actor_uid
 from ..engine.blocks import BlockMajorCache
@@ -57,6 +57,7 @@ from ..transports.cpu_tier import CpuRowsReply, count_cpu_rows, gather_cpu_rows
 from ..wire import LeaseGrant, LoadRequest, LoadResult, ReplicaIdentity, StageItem
 from .leases import LeaseBook
 from .loads import HolderLink, LoadRunner, release_lease
+from .rank_registry import ReplicaRanks
 from .staging import (
     SnapshotCopy,
     copy_blocks_into_store,
@@ -93,8 +94,12 @@ class TransferActorConfig:
     # A lease older than this is released by the holder itself: the loader that
     # took it died or lost track of it, and its snapshots must not stay pinned.
     lease_ttl_s: float = 300.0
+    # this actor's engine rank of a tensor-parallel replica (rank_registry.py)
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
+        ReplicaRanks(self.rank, self.tp_rank, self.tp_size)  # checks both
         if self.rank < 0:
             raise ValueError(f"rank must be non-negative, got {self.rank}")
         if self.gpu_cache_bytes is not None and self.gpu_cache_bytes < 0:
@@ -153,6 +158,9 @@ class XavierTransferActor(xo.StatelessActor):
         self._tracker_updates = TrackerUpdates(
             config.rank, self._counters, self._deadline
         )
+        self._ranks = ReplicaRanks(
+            config.rank, config.tp_rank, config.tp_size, self._deadline
+        )
         # successful loads, from start_load to their result
         self._load_latency = LatencyRecorder()
         self._closing = False
@@ -172,8 +180,9 @@ class XavierTransferActor(xo.StatelessActor):
         self._tracker = await self._deadline(
             xo.actor_ref(config.tracker_address, config.tracker_uid)
         )
-        await self._deadline(self._tracker.register_replica(config.rank, self.address))
-        self._tracker_updates.tracker = self._tracker
+        self._tracker_updates.tracker = await self._deadline(
+            self._ranks.connect(self._tracker, self.address, self._lead)
+        )
         logger.info(
             "Xavier transfer actor rank %d of %s at %s (%d CPU threads for torch)",
             config.rank,
@@ -242,7 +251,9 @@ class XavierTransferActor(xo.StatelessActor):
                 f"layout {layout.name!r}, the engine says {block_size}"
             )
         cache = BlockMajorCache(tensors, layout, scatter_graphs=graphs_requested())
-        identity = ReplicaIdentity(model, cache.geometry, layout.name)
+        identity = ReplicaIdentity(
+            model, cache.geometry, layout.name, tensor_parallel_size=config.tp_size
+        )
         ring = (
             None if staging_ring is None else import_staging_ring(staging_ring, cache)
         )
@@ -395,6 +406,12 @@ class XavierTransferActor(xo.StatelessActor):
             self._operations.add(task)
             task.add_done_callback(self._operations.discard)
 
+    async def rank_blocks_changed(
+        self, tp_rank: int, dropped: bytes, added: bytes
+    ) -> None:
+        """The lead rank: another rank of this replica staged or dropped these."""
+        await self._ranks.rank_changed(tp_rank, dropped, added)
+
     async def wait_tracker_updates(self) -> None:
         """Return once the tracker has been told (or failed to be told) of every
         snapshot staged or dropped so far: from then on peers can find them."""
@@ -496,10 +513,18 @@ class XavierTransferActor(xo.StatelessActor):
         if self._mapped is not None:
             await self._mapped.loads.fence(load_id)
 
-    async def _holder(self, address: str, rank: int) -> HolderLink:
-        uid = transfer_actor_uid(self._config.model_uid, rank)
+    async def _holder(
+        self, address: str, rank: int, tp_rank: int | None = None
+    ) -> HolderLink:
+        """Holder ``rank``'s actor of our tensor-parallel rank (rank r reads rank r)."""
+        config = self._config
+        tp = config.tp_rank if tp_rank is None else tp_rank
+        uid = transfer_actor_uid(config.model_uid, rank, tp)
         ref: HolderLink = await self._deadline(self._holder_refs.get(address, uid))
         return ref
+
+    async def _lead(self) -> Any:  # our replica's rank 0 (rank_registry.LeadLink)
+        return await self._holder(self.address, self._config.rank, 0)
 
     # ---- reporting and shutdown -----------------------------------------------
 
@@ -558,7 +583,7 @@ class XavierTransferActor(xo.StatelessActor):
             if not pending:
                 break
             await asyncio.wait(pending)
-        if self._tracker is not None:
+        if self._tracker is not None and self._ranks.leads:
             try:
                 await self._deadline(self._tracker.forget_replica(rank))
             except Exception as exc:  # the tracker may already be gone at shutdown
@@ -593,27 +618,10 @@ class XavierTransferActor(xo.StatelessActor):
             )
         return self._mapped
 
-    def _operation(self) -> _Tracked:
-        return _Tracked(self._operations)
+    def _operation(self) -> Tracked:
+        return Tracked(self._operations)
 
     async def _deadline(self, call: Awaitable[T]) -> T:
         # xo.wait_for rather than asyncio.wait_for: it times out even when the
         # cancellation of an actor call cannot reach an unresponsive peer.
         return await xo.wait_for(call, self._config.rpc_timeout_s)
-
-
-class _Tracked:
-    """``async with``: the current task is in ``tasks`` for the block's duration."""
-
-    def __init__(self, tasks: set[asyncio.Task[Any]]) -> None:
-        self._tasks = tasks
-        self._task: asyncio.Task[Any] | None = None
-
-    async def __aenter__(self) -> None:
-        self._task = asyncio.current_task()
-        if self._task is not None:
-            self._tasks.add(self._task)
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._task is not None:
-            self._tasks.discard(self._task)

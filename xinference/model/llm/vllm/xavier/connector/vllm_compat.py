@@ -103,13 +103,36 @@ def cross_layer_views(
     return list(logical.unbind(0))
 
 
+def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
+    """This worker process's rank in its engine's tensor-parallel group (vLLM sets
+    the group up before it creates the worker's KV connector; with one rank there
+    may be no group at all)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def on_cpu(vllm_config: VllmConfig) -> bool:
     return vllm_config.device_config.device_type == "cpu"
 
 
-def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Refuse, at engine start, configurations Xavier cannot serve correctly."""
+def check_supported(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    tensor_parallel_size: int = 1,
+) -> None:
+    """Refuse, at engine start, configurations Xavier cannot serve correctly;
+    ``tensor_parallel_size`` is the one the replica was launched with."""
     problems = unsupported_reasons(vllm_config, kv_cache_config)
+    engine_tp = vllm_config.parallel_config.tensor_parallel_size
+    if engine_tp != tensor_parallel_size:
+        problems.append(
+            f"the engine runs tensor_parallel_size={engine_tp}, the replica was "
+            f"launched with {tensor_parallel_size}: every replica of a model must "
+            "run the same tensor-parallel size (KV moves rank to rank)"
+        )
     if problems:
         raise ValueError(
             "Xavier cannot run with this vLLM configuration:\n- "
@@ -147,11 +170,11 @@ def unsupported_reasons(
             f"{MIN_VLLM_VERSION} (tested: {', '.join(TESTED_VLLM_VERSIONS)})"
         )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         reasons.append(
-            f"tensor_parallel_size={parallel.tensor_parallel_size} and "
             f"pipeline_parallel_size={parallel.pipeline_parallel_size}: Xavier "
-            "supports one worker per replica; set both to 1 (scale with replicas)"
+            "shares KV between replicas of one pipeline stage; set it to 1 (use "
+            "tensor_parallel_size for several devices per replica)"
         )
     if vllm_config.lora_config is not None:
         reasons.append(

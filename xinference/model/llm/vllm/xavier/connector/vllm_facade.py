@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,12 @@ from .fast_path import (
     fast_path_enabled,
 )
 from .faults import ConnectorFaults
+from .ranks import (
+    merge_round_trips,
+    release_every_rank,
+    reserve_every_rank,
+    step_for_rank,
+)
 from .scheduler import SchedulerSettings, SchedulerSide
 from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
@@ -64,6 +71,7 @@ from .vllm_compat import (
     on_cpu,
     scheduled_requests,
     settings_from_extra_config,
+    tensor_parallel_rank,
     warn_if_untested,
 )
 from .worker import WorkerSettings, WorkerSide
@@ -119,7 +127,14 @@ class XavierWorkerMetadata(KVConnectorWorkerMetadata):
         self.round_trips = round_trips or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        return self  # one worker per engine (tensor/pipeline parallel are refused)
+        """Tensor-parallel ranks: the identity any rank reported (every rank's
+        shard has the same geometry), each load's largest round-trip count."""
+        if not isinstance(other, XavierWorkerMetadata):
+            return self
+        return XavierWorkerMetadata(
+            self.identity or other.identity,
+            merge_round_trips(self.round_trips, other.round_trips),
+        )
 
 
 class XavierConnector(KVConnectorBase_V1):
@@ -132,13 +147,19 @@ class XavierConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        check_supported(vllm_config, kv_cache_config)
         warn_if_untested()
         _log_where_the_engine_logs()
         options = settings_from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
             if vllm_config.kv_transfer_config is not None
             else None
+        )
+        check_supported(vllm_config, kv_cache_config, options.tensor_parallel_size)
+        # this worker's engine rank (the scheduler half decides for rank 0..N-1)
+        self._tp_rank = (
+            0
+            if role == KVConnectorRole.SCHEDULER
+            else tensor_parallel_rank(vllm_config)
         )
         self._options = options
         self._kv_cache_tensors = kv_cache_config.kv_cache_tensors
@@ -172,7 +193,8 @@ class XavierConnector(KVConnectorBase_V1):
                 rpc_timeout_s=options.rpc_timeout_s,
                 remote_loads=options.config.remote_loads,
                 sync_loads=SyncLoadPolicy(
-                    enabled=fast_path_enabled(),
+                    # the bound is per load; a tensor-parallel one is N loads
+                    enabled=fast_path_enabled() and options.tensor_parallel_size == 1,
                     host=address_host(options.transfer_address),
                     base_s=fast_path_base_s(),
                     lease_free=options.config.transport == "nixl",
@@ -243,33 +265,55 @@ class XavierConnector(KVConnectorBase_V1):
         lease_id: str,
         requester: ReplicaIdentity,
     ) -> LeaseGrant:
-        actor = await self._refs.get(
-            holder.address, transfer_actor_uid(self._options.model_uid, holder.rank)
+        """Reserve on every engine rank of the holder (``ranks.py``)."""
+
+        async def reserve(tp_rank: int) -> LeaseGrant:
+            actor = await self._holder(holder, tp_rank)
+            return await actor.reserve(keys, lease_id, requester)
+
+        return await reserve_every_rank(
+            self._options.tensor_parallel_size,
+            reserve,
+            functools.partial(self._release_rank, holder, lease_id),
         )
-        return await actor.reserve(keys, lease_id, requester)
 
     async def _release(self, holder: PrefixHit, lease_id: str) -> None:
-        actor = await self._refs.get(
-            holder.address, transfer_actor_uid(self._options.model_uid, holder.rank)
+        await release_every_rank(
+            self._options.tensor_parallel_size,
+            functools.partial(self._release_rank, holder, lease_id),
         )
+
+    async def _release_rank(
+        self, holder: PrefixHit, lease_id: str, tp_rank: int
+    ) -> None:
+        actor = await self._holder(holder, tp_rank)
         await actor.release(lease_id)
 
+    async def _holder(self, holder: PrefixHit, tp_rank: int) -> Any:
+        uid = transfer_actor_uid(self._options.model_uid, holder.rank, tp_rank)
+        return await self._refs.get(holder.address, uid)
+
     def _holder_transport_call(self, address: str, rank: int) -> Any:
-        """A call into the transport of the holder ``rank`` at ``address``
-        (the engine-process reads meet their peers with it, off any hit's path)."""
+        """A call into the transport of the holder ``rank`` at ``address``, on
+        this worker's engine rank (the engine-process reads meet their peers with
+        it, off any hit's path)."""
 
         async def call(op: str, *args: Any) -> Any:
-            actor = await self._refs.get(
-                address, transfer_actor_uid(self._options.model_uid, rank)
-            )
+            uid = transfer_actor_uid(self._options.model_uid, rank, self._tp_rank)
+            actor = await self._refs.get(address, uid)
             return await actor.transport_call(op, *args)
 
         return call
 
     async def _transfer_actor(self) -> Any:
-        return await self._refs.get(
-            self._options.transfer_address, self._options.transfer_uid
+        """This worker's own transfer actor (its engine rank's)."""
+        options = self._options
+        uid = (
+            options.transfer_uid
+            if self._tp_rank == 0
+            else transfer_actor_uid(options.model_uid, options.rank, self._tp_rank)
         )
+        return await self._refs.get(options.transfer_address, uid)
 
     def _report_fault(self, where: str) -> None:
         """Count a contained fault in this replica's transfer actor (its stats feed
@@ -540,4 +584,6 @@ class XavierConnector(KVConnectorBase_V1):
     def _step(self) -> StepMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, XavierConnectorMetadata)
-        return meta.step
+        return step_for_rank(
+            meta.step, self._tp_rank, self._options.tensor_parallel_size
+        )
