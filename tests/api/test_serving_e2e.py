@@ -303,6 +303,7 @@ def test_options_arrive_in_each_replica_process(
             "transfer_address": replicas[rank]["address"],
             "transfer_uid": f"xavier-transfer-{MODEL_NAME}-{rank}",
             "rpc_timeout_s": 10.0,
+            "tensor_parallel_size": 1,  # one engine rank per replica here
         }
         assert report["xavier"]["transfer_address"].startswith("nixl://")
         assert report["kv_connector"] == "XavierConnector"
