@@ -93,6 +93,18 @@ class HolderStoppingLoader(XavierTransferActor):
         return await super().run_load(req, timeout)
 
 
+class LeasedOnlyHolder(XavierTransferActor):
+    """A's transfer actor, publishing no device-tier locations: B's synchronous
+    hits then reserve and load through B's actor (``load_now``), the path whose
+    stall this module stops. A lease-free hit READs from B's engine process
+    instead; a holder stopped under that READ is tested in
+    ``test_direct_reads.py::test_a_stopped_holder_costs_the_bound_and_writes_nothing_afterwards``.
+    """
+
+    def _locations(self, *args: Any, **kwargs: Any) -> list:
+        return []
+
+
 class ProcessProbe(xo.StatelessActor):
     """Says which process its sub-pool runs in."""
 
@@ -112,7 +124,9 @@ class Replicas:
         self.engines: list[EngineProcess] = []
         self.fast_path = fast_path
         cluster = self.cluster
-        cluster.start_transfer_actor(0, gpu_cache_bytes=16 << 20)
+        cluster.start_transfer_actor(
+            0, gpu_cache_bytes=16 << 20, actor_cls=LeasedOnlyHolder
+        )
         cluster.start_transfer_actor(
             1, gpu_cache_bytes=16 << 20, actor_cls=HolderStoppingLoader
         )
