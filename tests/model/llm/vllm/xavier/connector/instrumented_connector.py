@@ -16,6 +16,8 @@ each call so a test can switch them while the engine runs:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,18 @@ FAULTS_FILE = "faults"
 
 class InjectedFault(RuntimeError):
     """Raised in place of a connector-half method that the test listed."""
+
+
+@contextlib.contextmanager
+def injected_faults(test_dir: Path, *methods: str) -> Iterator[None]:
+    """Make the listed connector-half methods of the engine whose test directory
+    is ``test_dir`` raise, for the block's duration (``method@tpN``: rank N only)."""
+    path = test_dir / FAULTS_FILE
+    path.write_text("\n".join(methods) + "\n")
+    try:
+        yield
+    finally:
+        path.unlink()
 
 
 def _listed(path: Path) -> set[str]:

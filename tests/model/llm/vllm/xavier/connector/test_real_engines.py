@@ -45,7 +45,10 @@ from ..vllm_support import (  # noqa: E402
     tiny_model_path,
     xavier_external_tokens,
 )
-from .instrumented_connector import CORRUPT_KEYS_FILE, FAULTS_FILE  # noqa: E402
+from .instrumented_connector import (  # noqa: E402
+    CORRUPT_KEYS_FILE,
+    injected_faults,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow]
 
@@ -182,15 +185,11 @@ class Deployment:
             self.cluster.wait_mapped(rank)
             engine.generate([WARMUP[rank]], MAX_TOKENS)
 
-    @contextlib.contextmanager
-    def faults(self, rank: int, *methods: str) -> Iterator[None]:
+    def faults(
+        self, rank: int, *methods: str
+    ) -> contextlib.AbstractContextManager[None]:
         """Make the listed connector-half methods of replica ``rank`` raise."""
-        path = self.test_dirs[rank] / FAULTS_FILE
-        path.write_text("\n".join(methods) + "\n")
-        try:
-            yield
-        finally:
-            path.unlink()
+        return injected_faults(self.test_dirs[rank], *methods)
 
     @staticmethod
     def turn2(answer: tuple[int, ...]) -> list[int]:

@@ -55,7 +55,7 @@ from ..vllm_support import (  # noqa: E402
     engine_kwargs,
     xavier_external_tokens,
 )
-from .instrumented_connector import FAULTS_FILE  # noqa: E402
+from .instrumented_connector import injected_faults  # noqa: E402
 from .test_real_engines import tokens  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow]
@@ -101,14 +101,11 @@ class Deployment:
     def wait_published(self, keys: list[bytes], for_rank: int) -> None:
         self.cluster.wait_published(keys, for_rank, timeout=60.0)
 
-    @contextlib.contextmanager
-    def faults(self, rank: int, *methods: str) -> Iterator[None]:
-        path = self.test_dirs[rank] / FAULTS_FILE
-        path.write_text("\n".join(methods) + "\n")
-        try:
-            yield
-        finally:
-            path.unlink()
+    def faults(
+        self, rank: int, *methods: str
+    ) -> contextlib.AbstractContextManager[None]:
+        """Make the listed connector-half methods of replica ``rank`` raise."""
+        return injected_faults(self.test_dirs[rank], *methods)
 
 
 def reference_outputs() -> dict[tuple[int, ...], tuple[int, ...]]:
