@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+import xoscar as xo
 
 from xinference.model.llm.vllm.xavier.actor.rank_group import TransferActorGroup
 from xinference.model.llm.vllm.xavier.actor.transfer_actor import TransferActorConfig
@@ -141,3 +142,31 @@ async def test_shards_move_rank_to_rank_and_only_whole_blocks_are_listed(
     await release_every_rank(TP, release)  # idempotent after the loads' own
     await holder.close()
     await loader.close()
+
+
+class SquatterActor(xo.StatelessActor):
+    """Holds a rank's actor uid, so that creating that rank's actor fails."""
+
+
+async def test_a_rank_that_cannot_be_created_takes_the_ranks_before_it_down(cluster):
+    """Rank 1's uid is taken in the pool: the group is not created, and rank 0's
+    actor, created first, is destroyed rather than left mapping nothing."""
+    address = cluster.sub_pool(0)
+    squatter = await xo.create_actor(
+        SquatterActor, address=address, uid=transfer_actor_uid(MODEL, 0, 1)
+    )
+    config = TransferActorConfig(
+        model_uid=MODEL,
+        rank=0,
+        tracker_address=cluster.tracker_address,
+        tracker_uid=tracker_uid(MODEL),
+        cpu_capacity_blocks=32,
+        rpc_timeout_s=20.0,
+        tp_size=TP,
+    )
+    with pytest.raises(xo.ActorAlreadyExist):
+        await TransferActorGroup.create(config, address)
+    with pytest.raises(xo.ActorNotExist):
+        await xo.actor_ref(address, transfer_actor_uid(MODEL, 0, 0))
+    assert await xo.has_actor(squatter)  # the group destroys only its own actors
+    await xo.destroy_actor(squatter)
