@@ -43,6 +43,16 @@ def http(server):
             "xavier_gpu_cache_bytes 1024.0 TiB per replica does not fit",
         ),
         (
+            # one tier per engine rank: two replicas of two ranks on CPU need four
+            dict(
+                replica=2,
+                enable_xavier=True,
+                tensor_parallel_size=2,
+                xavier_gpu_cache_bytes="1024TiB",
+            ),
+            "4 engine rank(s) on worker",
+        ),
+        (
             dict(replica=2, enable_xavier=True, pipeline_parallel_size=2),
             "pipeline_parallel_size must be 1, got 2",
         ),

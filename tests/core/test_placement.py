@@ -125,6 +125,24 @@ def test_without_a_gpu_the_device_tier_must_fit_in_available_host_memory():
         )
         is None
     )
+    # a tensor-parallel replica without a GPU: each of its ranks keeps a tier
+    # in host memory (2 replicas x 2 ranks x 6 GiB > 20 GiB; one rank each fits)
+    two_ranks = device_budget_refusal(
+        cpu,
+        6 * GiB,
+        gpu_memory={},
+        host_available_bytes=20 * GiB,
+        worker="w",
+        ranks_per_replica=2,
+    )
+    assert two_ranks is not None and "4 engine rank(s)" in two_ranks
+    assert "need 24.0 GiB" in two_ranks
+    assert (
+        device_budget_refusal(
+            cpu, 6 * GiB, gpu_memory={}, host_available_bytes=20 * GiB, worker="w"
+        )
+        is None
+    )
     # no budget (CPU tier only) or a zero one: nothing to hold
     for budget in (0, None):
         assert (

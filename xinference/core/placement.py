@@ -177,6 +177,7 @@ def device_budget_refusal(
     gpu_memory: Mapping[str, int],
     host_available_bytes: int,
     worker: str,
+    ranks_per_replica: int = 1,
 ) -> str | None:
     """Why a device tier of ``budget_bytes`` per replica cannot be held by the memory
     these placements put it in; None when it can.
@@ -186,7 +187,8 @@ def device_budget_refusal(
     memory (``gpu_memory``: CUDA_VISIBLE_DEVICES entry -> bytes), as nothing else of
     the launch runs there yet. A replica without a GPU keeps its "device" tier where
     its engine's KV cache lives, in host memory: the budgets of all such replicas on
-    this host are compared with its available memory. Checked before any engine
+    this host, one per engine rank (``ranks_per_replica``, the tensor-parallel
+    size), are compared with its available memory. Checked before any engine
     loads; a budget that does not fit would fail only when the connector maps the
     engine's cache, minutes later.
     """
@@ -194,17 +196,21 @@ def device_budget_refusal(
         return None
     per_replica = f"xavier_gpu_cache_bytes {format_size(budget_bytes)} per replica"
     # Each engine rank keeps its own device tier of the budget, on its own GPU.
+    # Without a GPU all ranks of a replica keep theirs in this host's memory.
     sharing: dict[str | None, int] = {}
     for placement in placements:
-        for gpu_entry in (placement.gpu.split(",") if placement.gpu else [None]):
-            sharing[gpu_entry] = sharing.get(gpu_entry, 0) + 1
+        if placement.gpu:
+            for gpu_entry in placement.gpu.split(","):
+                sharing[gpu_entry] = sharing.get(gpu_entry, 0) + 1
+        else:
+            sharing[None] = sharing.get(None, 0) + ranks_per_replica
     for gpu, count in sharing.items():
         needed = count * budget_bytes
         if gpu is None:
             if needed > host_available_bytes:
                 return (
                     f"{per_replica} does not fit: without a GPU the device tier "
-                    f"lives in host memory, and {count} replica(s) on worker "
+                    f"lives in host memory, and {count} engine rank(s) on worker "
                     f"{worker} need {format_size(needed)} of it while "
                     f"{format_size(host_available_bytes)} is available"
                 )

@@ -179,6 +179,7 @@ class WorkerActor(xo.StatelessActor):
                 gpu_memory=await asyncio.to_thread(gpu_total_memory, self._gpus or ()),
                 host_available_bytes=psutil.virtual_memory().available,
                 worker=self.address,
+                ranks_per_replica=devices_per_replica,
             )
             if refusal is not None:
                 raise LaunchOptionError(refusal)
