@@ -211,11 +211,12 @@ def test_worker_faults_fail_the_step_loads_and_skip_staging():
 
 
 def test_fallbacks_that_fail_too_stay_in_the_connector():
-    """The fallbacks themselves raise (dropping the reservation, abandoning the
-    load, failing the step's loads): nothing reaches vLLM, every fault is
-    counted, and the blocks vLLM was promised are still reported failed in the
-    next step, so the request recomputes them instead of using unwritten KV or
-    waiting for a load that never comes."""
+    """The scheduler's fallbacks themselves raise (dropping the reservation,
+    abandoning the load): nothing reaches vLLM, every fault is counted, and the
+    blocks vLLM was promised are still reported failed in the next step, so the
+    request recomputes them instead of using unwritten KV or waiting for a load
+    that never comes. A worker whose step loads can be neither started nor
+    failed stops the engine: no later step can safely tell vLLM about them."""
     connector = XavierConnector(vllm_config(), KVConnectorRole.SCHEDULER, PLAIN)
     half = Raising(close=None)  # every fallback raises as well
     connector._scheduler = half  # type: ignore[assignment]
@@ -246,7 +247,8 @@ def test_fallbacks_that_fail_too_stay_in_the_connector():
     step = StepMetadata(loads=(RequestLoad("r", None, (1,)),))
     connector.bind_connector_metadata(XavierConnectorMetadata(step))
     try:
-        connector.start_load_kv(None)  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="neither start nor fail"):
+            connector.start_load_kv(None)  # type: ignore[arg-type]
         assert ("fail_step_loads", (step,)) in worker.calls
         assert connector._faults.counts["failing this step's loads"] == 1
     finally:

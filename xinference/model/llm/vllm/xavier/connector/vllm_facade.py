@@ -495,9 +495,20 @@ class XavierConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(step)
         except Exception as exc:
             self._faults.record("start_load_kv", exc)
-            self._faults.attempt(
+            if not self._faults.attempt(
                 "failing this step's loads", self._worker.fail_step_loads, step
-            )
+            ):
+                # The last resort is the engine's own failure: this step's loads
+                # are neither done nor reported failed, so vLLM would read their
+                # blocks as loaded (synchronous) or wait for them forever
+                # (asynchronous), and which of them may still be written is not
+                # known, so failing them here could let a late READ land in
+                # blocks vLLM recomputes. Wrong KV or a hang are worse than a
+                # replica that stops and is replaced.
+                raise RuntimeError(
+                    "Xavier could neither start nor fail this step's KV loads; "
+                    "stopping the engine rather than let it use unwritten blocks"
+                ) from exc
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Synchronous loads completed in start_load_kv; asynchronous ones are
