@@ -5,6 +5,9 @@
 # warm about 30 s between calls, and /tmp/site lives only while it is warm):
 #   here:  KEEP_MOE=0 OUT=$PWD/.vllm-chunks-nomoe bash ../shared/device/vllm-gpu-chunks.sh
 #          bash ../shared/device/make-wheels.sh      # .whl: xoscar, NIXL, uvicorn...
+#          python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#            --platform manylinux2014_x86_64 -d .whl argon2-cffi argon2-cffi-bindings \
+#            cffi pycparser pyjwt                 # the server's authentication imports
 #   run(carry=[".vllm-chunks-nomoe/c01"],
 #       command="bash .vllm-chunks-nomoe/c01/plan.sh stash c01")
 #   run(carry=[".vllm-chunks-nomoe/c02", ".whl"],
