@@ -168,13 +168,16 @@ async def test_more_words_than_the_scratch_holds_are_read_in_parts(pair) -> None
 
 
 async def test_the_words_stay_readable_after_the_rows_are_registered_anew(
-    pair,
+    pair, registrations: Registrations
 ) -> None:
     """A new device tier is a new registration and new rows metadata; the words'
-    registration is kept and a peer loads both again."""
+    registration is kept (over shared memory a READ of memory no longer
+    registered may still work, hence the registrations' check) and a peer loads
+    both again."""
     holder, loader, generations = pair
     rows = torch.full((SLOTS * LAYERS, ROW_BYTES), 9, dtype=torch.uint8)
     await holder.replace_store_rows(rows)
+    assert registrations.of(rows) and len(registrations.dropped) == 1
     await loader.add_peer(holder.info, check_timeout_s=10.0)
     assert loader.peer_paths[holder.agent_name].nbytes > 0
     assert await read_words(loader, holder.info, [1, 2], 5.0) == generations.read(
