@@ -1,6 +1,6 @@
 """Lease-free loads READ by the engine process (``connector/direct_reads.py``),
 with real NIXL agents: the holder's in a sub-pool process (a real store served by
-the serving transport, generation words registered with its device tier), the
+the serving transport, generation words published beside its device tier), the
 loader's in this process, as the worker half owns it in vLLM's engine process.
 
 A slot reused after the loader learned its location, or a holder stopped in the
