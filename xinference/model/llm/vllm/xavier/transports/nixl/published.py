@@ -44,27 +44,28 @@ class PublishedMemory:
         self.replace_rows(rows)
         if self.rows is None or words is None or not words.numel():
             return
-        region = NixlRegion.of(words)
-        self._words_reg = self._register([region])
-        self.words_metadata = self._agent.get_partial_agent_metadata(
-            self._words_reg, inc_conn_info=False
-        )
-        self.words = region
+        self._words_reg = self._register([NixlRegion.of(words)])
+        self.words_metadata = self._metadata(self._words_reg, with_connection=False)
+        self.words = NixlRegion.of(words)
 
     def replace_rows(self, rows: torch.Tensor) -> None:
         """Register ``rows`` in place of the rows registered before (the words
-        stay registered: they describe slots, not memory)."""
+        keep their registration: the slots they describe stay)."""
         if self._rows_reg is not None:
             self._agent.deregister_memory(self._rows_reg)
             self._rows_reg, self.rows, self.metadata = None, None, b""
         if not rows.numel():
             return
-        region = NixlRegion.of(rows)
-        self._rows_reg = self._register([region])
-        self.metadata = self._agent.get_partial_agent_metadata(
-            self._rows_reg, inc_conn_info=True
+        self._rows_reg = self._register([NixlRegion.of(rows)])
+        self.metadata = self._metadata(self._rows_reg, with_connection=True)
+        self.rows = NixlRegion.of(rows)
+
+    def _metadata(self, reg: Any, *, with_connection: bool) -> bytes:
+        """Partial metadata of one registration (the rows' carry the connection
+        info; the words' are loaded after them, on a connection made)."""
+        return bytes(
+            self._agent.get_partial_agent_metadata(reg, inc_conn_info=with_connection)
         )
-        self.rows = region
 
     @property
     def published_words(self) -> NixlRegion | None:
