@@ -4,11 +4,12 @@ Registered at start: what peers read (the device tier rows and their generation
 words, ``published.py``), the receive slab, one scratch row for the peer check, a
 host scratch for peers' generation words and, when asked, the engine's KV layers.
 After that nothing is registered again, except a fresh receive slab or words
-scratch when a READ into the old one missed its deadline. Peers are met once (their partial metadata loaded, a
-connection made, one row READ as a check of the path, so a missing zero-copy path
-fails there with its reason rather than on every load) and again only when their
-generation changes (that check READ is planned and explained in ``peers.py``). READs
-themselves are ``reads.ReadWaiter``'s; the descriptor lists prepared once for them,
+scratch when a READ into the old one missed its deadline. Peers are met once
+(their partial metadata loaded, a connection made, one row READ as a check of the
+path, so a missing zero-copy path fails there with its reason rather than on
+every load) and again only when their generation changes (that check READ is
+planned and explained in ``peers.py``). READs themselves are
+``reads.ReadWaiter``'s; the descriptor lists prepared once for them,
 ``row_lists.RowLists``.
 """
 
@@ -310,7 +311,7 @@ class NixlAgentEndpoint:
 
     @property
     def probe(self) -> torch.Tensor:
-        """The registered scratch row (peer checks, generation read-backs)."""
+        """The registered scratch row of the peer checks (nothing reads it)."""
         return self._probe
 
     @property
