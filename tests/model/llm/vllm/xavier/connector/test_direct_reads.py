@@ -1,6 +1,6 @@
 """Lease-free loads READ by the engine process (``connector/direct_reads.py``),
 with real NIXL agents: the holder's in a sub-pool process (a real store served by
-the serving transport, generation words registered with its device tier), the
+the serving transport, generation words published beside its device tier), the
 loader's in this process, as the worker half owns it in vLLM's engine process.
 
 A slot reused after the loader learned its location, or a holder stopped in the
@@ -38,6 +38,7 @@ from xinference.model.llm.vllm.xavier.wire import (
     TransportHint,
 )
 
+from .._support import CUDA_SKIP
 from .direct_holder import HOLDER_UID, StoreHolder, key
 
 pytestmark = pytest.mark.nixl
@@ -51,10 +52,10 @@ ENGINE_BLOCKS = 8
 HOLDER_RANK = 0
 
 
-def engine_cache() -> BlockMajorCache:
+def engine_cache(device: str = "cpu") -> BlockMajorCache:
     """Per-layer bf16 caches (blocks, 2, 16 tokens, 2 heads, 32): 4 KiB a block."""
     tensors = [
-        torch.zeros((ENGINE_BLOCKS, 2, 16, 2, 32), dtype=torch.bfloat16)
+        torch.zeros((ENGINE_BLOCKS, 2, 16, 2, 32), dtype=torch.bfloat16, device=device)
         for _ in range(GEOMETRY.num_layers)
     ]
     layout = detect_layout(tensors, ENGINE_BLOCKS, "block_first")
@@ -85,18 +86,21 @@ def lease_free_load(
 
 @pytest.fixture
 async def holder(request) -> AsyncIterator[tuple[Any, str]]:
-    env = getattr(request, "param", None)
+    """A holder with 2 device slots, its device tier on the CPU; ``param``: the
+    environment of its process, or ``{"device": "cuda"}`` for a tier on a GPU."""
+    param = dict(getattr(request, "param", None) or {})
+    device = param.pop("device", "cpu")
     pool = await xo.create_actor_pool(
         "127.0.0.1",
         n_process=1,
         external_address_schemes=["nixl"] * 2,
-        envs=None if env is None else [env],
+        envs=[param] if param else None,
         auto_recover=False,
     )
     async with pool:
         (address,) = list(pool.sub_processes)
         ref = await xo.create_actor(
-            StoreHolder, GEOMETRY, 2, address=address, uid=HOLDER_UID
+            StoreHolder, GEOMETRY, 2, device, address=address, uid=HOLDER_UID
         )
         yield ref, address
 
@@ -158,6 +162,70 @@ async def test_a_slot_reused_after_its_location_was_published_fails_the_load(hol
         # what would have been reported loaded without the check
         assert block_bytes(cache, 6) == {7}
         assert reads.stale == 1
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+async def test_a_slot_reused_just_before_its_rows_are_read_fails_the_load(holder):
+    """The reuse lands once the load is under way, right before its rows are
+    READ: a generation word read before the rows would still match; only the
+    word read back after them tells."""
+    ref, address = holder
+    first, _ = [await ref.put(i) for i in (3, 4)]  # the device tier is full
+    cache = engine_cache()
+    loop, reads = await asyncio.to_thread(reader, address, cache)
+    transport = reads._transport
+    assert transport is not None
+    read_rows = transport.load
+
+    async def reuse_then_read_rows(*args: Any, **kwargs: Any) -> None:
+        on_this_loop = await xo.actor_ref(address, HOLDER_UID)
+        await on_this_loop.put(7)  # demotes 3; 7 takes its device slot
+        await read_rows(*args, **kwargs)
+
+    transport.load = reuse_then_read_rows  # type: ignore[method-assign]
+    try:
+        request = lease_free_load("raced", [3], [first], [6])
+        outcome = await asyncio.to_thread(reads.load_now, [request], 5.0)
+        assert outcome["raced"] is not None and "changed" in outcome["raced"]
+        assert block_bytes(cache, 6) == {7}  # what the READ brought
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+@pytest.mark.cuda
+@CUDA_SKIP
+@pytest.mark.parametrize("holder", [{"device": "cuda"}], indirect=True)
+async def test_a_holder_with_its_device_tier_on_a_gpu_serves_lease_free_loads(
+    holder,
+):
+    """The holder's rows are in VRAM, its generation words in host memory: it
+    serves the words (so its transfer actor publishes locations), a lease-free
+    load of its rows lands in engine blocks on the GPU, and one whose slot was
+    reused after the location was learned is failed, not reported loaded."""
+    ref, address = holder
+    assert await ref.serves_generation_words()
+    first, other = [await ref.put(i) for i in (3, 4)]  # the device tier is full
+    cache = engine_cache("cuda")
+    loop, reads = await asyncio.to_thread(reader, address, cache)
+    try:
+        ok = lease_free_load("ok", [3, 4], [first, other], [5, 2])
+        outcome = await asyncio.to_thread(reads.load_now, [ok], 5.0)
+        assert outcome == {"ok": None}, outcome
+        assert block_bytes(cache, 5) == {3} and block_bytes(cache, 2) == {4}
+
+        reused = await ref.put(7)  # demotes 3; 7 takes its device slot
+        assert reused[0] == first[0] and reused[1] != first[1]
+        stale = lease_free_load("stale", [3], [first], [6])
+        fresh = lease_free_load("fresh", [4], [other], [3])
+        outcome = await asyncio.to_thread(reads.load_now, [stale, fresh], 5.0)
+        assert outcome["stale"] is not None and "changed" in outcome["stale"], outcome
+        assert outcome["fresh"] is None, outcome
+        assert block_bytes(cache, 3) == {4}
+        assert block_bytes(cache, 6) == {7}  # the bytes the check kept out
+        assert reads.loads == 3 and reads.stale == 1
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()

@@ -92,8 +92,8 @@ class DirectReads:
         self._starting: concurrent.futures.Future[None] | None = None
         # holder rank -> its endpoint is being loaded, or was (done future)
         self._meeting: dict[int, concurrent.futures.Future[None]] = {}
-        # READs into the agent's scratch row (peer checks, generation words)
-        # must not overlap: created on the loop
+        # generation words READ back into the agent's words scratch must not
+        # overlap (peer checks use another scratch): created on the loop
         self._scratch_lock: asyncio.Lock | None = None
         self.loads = 0
         self.stale = 0  # loads failed because a generation word had changed
@@ -141,8 +141,7 @@ class DirectReads:
         await asyncio.wrap_future(self._starting)
         assert self._transport is not None
         holder = self._holder_call(holder_address, holder_rank)
-        async with self._scratch():
-            await self._transport.meet(holder, holder_rank)
+        await self._transport.meet(holder, holder_rank)
 
     def ready(self, holder_rank: int) -> bool:
         """Whether a lease-free load from ``holder_rank`` can run here now."""

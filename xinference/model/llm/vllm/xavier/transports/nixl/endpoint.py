@@ -1,13 +1,15 @@
 """``NixlAgentEndpoint``: one NIXL agent per transfer actor, memory registered once.
 
-Registered at start: the device tier rows (what peers read), the receive slab, one
-scratch row for the peer check and, when asked, the engine's KV layers. After that
-nothing is registered again, except a fresh receive slab when a READ into the old
-one missed its deadline. Peers are met once (their partial metadata loaded, a
-connection made, one row READ as a check of the path, so a missing zero-copy path
-fails there with its reason rather than on every load) and again only when their
-generation changes (that check READ is planned and explained in ``peers.py``). READs
-themselves are ``reads.ReadWaiter``'s; the descriptor lists prepared once for them,
+Registered at start: what peers read (the device tier rows and their generation
+words, ``published.py``), the receive slab, one scratch row for the peer check, a
+host scratch for peers' generation words and, when asked, the engine's KV layers.
+After that nothing is registered again, except a fresh receive slab or words
+scratch when a READ into the old one missed its deadline. Peers are met once
+(their partial metadata loaded, a connection made, one row READ as a check of the
+path, so a missing zero-copy path fails there with its reason rather than on
+every load) and again only when their generation changes (that check READ is
+planned and explained in ``peers.py``). READs themselves are
+``reads.ReadWaiter``'s; the descriptor lists prepared once for them,
 ``row_lists.RowLists``.
 """
 
@@ -26,13 +28,15 @@ import torch
 from ...aio import finish_even_if_cancelled
 from .peers import PeerPath, check_failed, check_plan
 from .plan import EngineBlockMap, ReadPlan
-from .reads import DEST_PROBE, DEST_SLAB, ReadWaiter
+from .published import PublishedMemory, load_published
+from .reads import DEST_PROBE, DEST_SLAB, DEST_WORDS, ReadWaiter
 from .row_lists import RowLists
 from .ucx import (
     PROGRESS_THREAD_DELAY_US,
     VRAM_UCX_SETTINGS,
     UcxReport,
     _progress_thread_delay,
+    log_endpoint_start,
     pair_transports,
     probe_ucx,
     progress_thread_delay_us,
@@ -52,6 +56,10 @@ logger = logging.getLogger(__name__)
 # An engine layout whose block splits into more pieces than this is not worth
 # addressing piece by piece; such an engine uses slab placement.
 MAX_ENGINE_SEGMENTS = 8
+# The host scratch that peers' generation words are READ into: 512 words a READ
+# (``generation_words.read_words`` splits more), in host memory on every endpoint,
+# so that reading them back needs no device synchronization.
+WORDS_SCRATCH_BYTES = 4096
 
 # Memory that a READ which never reached a terminal state may still write, with the
 # agent that owns the request: kept alive for the life of the process, because freeing
@@ -64,10 +72,11 @@ class NixlAgentEndpoint:
 
     Build it with ``await NixlAgentEndpoint.create(...)`` (agent creation and
     registration are blocking, so they run in a thread). Registered at start: the
-    device tier rows (what peers read), the receive slab (``slab`` placement), one
-    scratch row for the peer check and, when given, the engine's KV layers
+    device tier rows and their generation words (what peers read), the receive
+    slab (``slab`` placement), one scratch row for the peer check, a host scratch
+    for peers' generation words and, when given, the engine's KV layers
     (``engine`` placement). After that nothing is registered again, except a fresh
-    receive slab when a READ into the old one missed its deadline
+    receive slab or words scratch when a READ into the old one missed its deadline
     (``registrations`` counts every registration).
 
     An endpoint on VRAM creates its agent with ``VRAM_UCX_SETTINGS`` (unless the
@@ -92,6 +101,8 @@ class NixlAgentEndpoint:
         ``store_rows``: the device tier, ``(rows, row_bytes)`` uint8 (may have 0
         rows); the receive slab is allocated on its device. ``engine_layers``: the
         engine's per-layer KV tensors as mapped here, with their block axis.
+        ``words``: the device tier's generation words, published with the rows
+        in whatever memory they are in (host memory, even for a tier on a GPU).
         """
         if row_bytes <= 0 or slab_bytes < row_bytes:
             raise ValueError(
@@ -129,16 +140,8 @@ class NixlAgentEndpoint:
         self._agent: Any = None
         self._nixl_errors = _nixl_errors()
         self._store_rows = store_rows
-        self._store_reg: Any = None
-        # generation words, published with the rows where they share their
-        # memory type (one registration, one partial metadata)
-        self._words = (
-            words
-            if words is not None
-            and words.numel()
-            and NixlRegion.of(words).mem_type == NixlRegion.of(store_rows).mem_type
-            else None
-        )
+        self._words = words
+        self._published: PublishedMemory | None = None  # once the agent exists
         # Zeroed once, so a slab never exposes stale memory.
         self._slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=self.device)
         self._slab_region = NixlRegion.of(self._slab)
@@ -146,6 +149,8 @@ class NixlAgentEndpoint:
         self.row_lists: RowLists | None = None  # once the agent exists
         self._probe = torch.zeros(row_bytes, dtype=torch.uint8, device=self.device)
         self._probe_reg: Any = None
+        self._words_scratch = torch.zeros(WORDS_SCRATCH_BYTES, dtype=torch.uint8)
+        self._words_scratch_reg: Any = None
         self.peer_paths: dict[str, PeerPath] = {}
         # Kept so that the mapped engine memory outlives its registration.
         self._engine_layers = (
@@ -216,14 +221,14 @@ class NixlAgentEndpoint:
         self.zero_copy_only = dict(self.ucx_report.env).get(
             "UCX_PROTO_EMULATION_ENABLE", "y"
         ).lower() in ("n", "no", "off", "0", "false")
+        self._published = PublishedMemory(self._agent, self._register)
         try:
-            if self._store_rows.numel():
-                regions = [NixlRegion.of(self._store_rows)]
-                if self._words is not None:
-                    regions.append(NixlRegion.of(self._words))
-                self._store_reg = self._register(regions)
+            self._published.publish(self._store_rows, self._words)
             self._slab_reg = self._register([self._slab_region])
             self._probe_reg = self._register([NixlRegion.of(self._probe)])
+            self._words_scratch_reg = self._register(
+                [NixlRegion.of(self._words_scratch)]
+            )
             if self._engine_map is not None:
                 self._register_engine(self._engine_map)
             self._info = self._make_info()
@@ -262,54 +267,35 @@ class NixlAgentEndpoint:
         return reg
 
     def _make_info(self) -> NixlEndpointInfo:
-        store = None
-        metadata = b""
-        if self._store_reg is not None:
-            store = NixlRegion.of(self._store_rows)
-            metadata = self._agent.get_partial_agent_metadata(
-                self._store_reg, inc_conn_info=True
-            )
+        published = self._published
+        assert published is not None
+        words = published.published_words
         report = self.ucx_report
         return NixlEndpointInfo(
             self.agent_name,
             self.generation,
-            metadata,
-            store,
+            published.metadata,
+            published.rows,
             self.row_bytes,
             host=socket.gethostname(),
             transports=report.transports if report is not None else (),
-            words=None if self._words is None else NixlRegion.of(self._words),
+            words=words,
+            words_metadata=published.words_metadata if words is not None else b"",
         )
 
     def _log_start(self) -> None:
-        report = self.ucx_report
-        assert report is not None
-        logger.info(
-            "NIXL endpoint %s on %s: device tier %d bytes, receive slab %d bytes, "
-            "engine cache %s, progress thread delay %d us; %s",
+        assert self.ucx_report is not None
+        log_endpoint_start(
             self.agent_name,
-            self.device,
-            self._store_rows.numel(),
-            self._slab.numel(),
-            "registered" if self._engine_map is not None else "not registered",
-            self.progress_delay_us,
-            report.describe(),
+            self.ucx_report,
+            holds_vram=self.device.type == "cuda",
+            memory=(
+                f"on {self.device}: device tier {self._store_rows.numel()} bytes, "
+                f"receive slab {self._slab.numel()} bytes, engine cache "
+                f"{'' if self._engine_map is not None else 'not '}registered, "
+                f"progress thread delay {self.progress_delay_us} us"
+            ),
         )
-        if report.tcp_only:
-            logger.warning(
-                "NIXL endpoint %s: UCX offers only %s; every transfer goes through "
-                "TCP sockets (check UCX_TLS and the UCX transports installed)",
-                self.agent_name,
-                ", ".join(report.resources),
-            )
-        if self.device.type == "cuda" and report.probe_error is None:
-            if not {"cuda_copy", "cuda_ipc"} & set(report.transports):
-                logger.warning(
-                    "NIXL endpoint %s holds VRAM but UCX offers no CUDA transport "
-                    "(%s): GPU memory will be staged through host memory",
-                    self.agent_name,
-                    ", ".join(report.transports),
-                )
 
     # ---- what peers see -------------------------------------------------------------
 
@@ -325,8 +311,14 @@ class NixlAgentEndpoint:
 
     @property
     def probe(self) -> torch.Tensor:
-        """The registered scratch row (peer checks, generation read-backs)."""
+        """The registered scratch row of the peer checks (nothing reads it)."""
         return self._probe
+
+    @property
+    def words_scratch(self) -> torch.Tensor:
+        """The registered host scratch for peers' generation words (replaced
+        when a READ into it missed its deadline: look it up for each READ)."""
+        return self._words_scratch
 
     @property
     def store_rows(self) -> torch.Tensor:
@@ -357,12 +349,9 @@ class NixlAgentEndpoint:
             raise ValueError(f"store rows must be contiguous on {self.device}")
 
         def swap() -> None:
-            if self._store_reg is not None:
-                self._agent.deregister_memory(self._store_reg)
-                self._store_reg = None
+            assert self._published is not None
             self._store_rows = store_rows
-            if store_rows.numel():
-                self._store_reg = self._register([NixlRegion.of(store_rows)])
+            self._published.replace_rows(store_rows)
             self.generation += 1
             self._info = self._make_info()
 
@@ -403,9 +392,7 @@ class NixlAgentEndpoint:
 
     async def _load_peer(self, info: NixlEndpointInfo) -> None:
         def load() -> None:
-            name = self._agent.add_remote_agent(info.metadata)
-            if isinstance(name, bytes):
-                name = name.decode()
+            name = load_published(self._agent, info.metadata, info.words_metadata)
             if name != info.agent_name:
                 raise NixlTransferError(
                     f"peer metadata names agent {name!r}, expected {info.agent_name!r}"
@@ -504,6 +491,13 @@ class NixlAgentEndpoint:
 
     async def _retire(self, destination: str) -> Any:
         """A READ into ``destination`` missed its deadline: what it may still write."""
+        if destination == DEST_WORDS:
+            # a late write must not land in the words of a later read-back
+            scratch = torch.zeros_like(self._words_scratch)
+            reg = await asyncio.to_thread(self._register, [NixlRegion.of(scratch)])
+            hold = (self._words_scratch, self._words_scratch_reg, None)
+            self._words_scratch, self._words_scratch_reg = scratch, reg
+            return hold
         if destination != DEST_SLAB:
             return None
         slab = torch.zeros_like(self._slab)
@@ -516,10 +510,11 @@ class NixlAgentEndpoint:
         return hold
 
     async def _free(self, hold: Any) -> None:
-        """The READ into a retired slab ended: nothing can write it any more."""
+        """The READ into a retired slab or words scratch ended: nothing can write
+        it any more."""
 
         def free() -> None:
-            if self.row_lists is not None:
+            if self.row_lists is not None and hold[2] is not None:
                 self.row_lists.release([hold[2]])
             self._agent.deregister_memory(hold[1])
 
@@ -558,6 +553,7 @@ class NixlAgentEndpoint:
                     self._engine_layers,
                     self._slab,
                     self._probe,
+                    self._words_scratch,
                 )
             )
             logger.error(
@@ -578,7 +574,9 @@ class NixlAgentEndpoint:
     def _deregister_all(self) -> None:
         if self.row_lists is not None and self._agent is not None:
             self.row_lists.release_all()
-        for attr in ("_engine_regs", "_probe_reg", "_slab_reg", "_store_reg"):
+        if self._published is not None and self._agent is not None:
+            self._published.withdraw()
+        for attr in ("_engine_regs", "_words_scratch_reg", "_probe_reg", "_slab_reg"):
             reg = getattr(self, attr)
             if reg is not None and self._agent is not None:
                 self._agent.deregister_memory(reg)

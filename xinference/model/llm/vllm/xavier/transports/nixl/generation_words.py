@@ -1,11 +1,14 @@
 """READ a holder's generation words back, after a lease-free read of its rows.
 
-The holder registers its device tier's generation words with the rows
-(``NixlEndpointInfo.words``); a loader that read rows without a lease READs the
-words of the same slots into its endpoint's scratch row and compares them with
-the generations it expected (``store/generations.py`` says why this order makes
-the read safe). A READ that misses its deadline is handled like the peer check's:
-the scratch row is written by nothing else until it ends, and the load is failed.
+The holder publishes its device tier's generation words beside the rows
+(``NixlEndpointInfo.words``, host memory even where the rows are on a GPU,
+``published.py``); a loader that read rows without a lease READs the words of the
+same slots into its endpoint's host words scratch and compares them with the
+generations it expected (``store/generations.py`` says why this order makes the
+read safe). The scratch is host memory, so the words are read with no device
+synchronization. A READ that misses its deadline fails the load and retires the
+scratch (a fresh one is registered), so its late write cannot land in a later
+read-back.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from .endpoint import NixlAgentEndpoint
 from .plan import ReadPlan
-from .reads import DEST_PROBE
+from .reads import DEST_WORDS
 from .wire import NixlEndpointInfo, NixlRegion, NixlTransferError
 
 WORD_BYTES = 8
@@ -66,11 +69,11 @@ async def read_words(
     timeout_s: float,
 ) -> list[int]:
     """The holder's generation words of ``slots``, as they are now, one READ per
-    scratch row's worth of words. The caller keeps every other READ into the
-    scratch row away meanwhile (peer checks)."""
+    scratch's worth of words. The caller keeps every other read-back into the
+    endpoint's words scratch away meanwhile."""
     if peer.words is None:
         raise NixlTransferError(f"peer {peer.agent_name} publishes no generation words")
-    scratch = endpoint.probe
+    scratch = endpoint.words_scratch
     region = NixlRegion.of(scratch)
     per_read = region.nbytes // WORD_BYTES
     words: list[int] = []
@@ -82,8 +85,8 @@ async def read_words(
             local_mem_type=region.mem_type,
             remote_mem_type=peer.words.mem_type,
             timeout_s=timeout_s,
-            destination=DEST_PROBE,
+            destination=DEST_WORDS,
         )
         landed = scratch[: len(part) * WORD_BYTES]
-        words.extend(landed.cpu().view(torch.int64).tolist())
+        words.extend(landed.view(torch.int64).tolist())
     return words

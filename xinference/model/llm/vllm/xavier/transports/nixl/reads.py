@@ -49,6 +49,7 @@ MAX_POLL_SLEEP_S = 1e-3
 DEST_SLAB = "slab"  # the receive slab: retired, a fresh one takes its place
 DEST_ENGINE = "engine"  # engine blocks: the caller must not reuse them
 DEST_PROBE = "probe"  # the peer check's scratch row: nothing reads it
+DEST_WORDS = "words"  # the generation words' scratch: retired, a fresh one replaces it
 
 
 @dataclass(slots=True)
@@ -251,6 +252,7 @@ class ReadWaiter:
             DEST_SLAB: "the receive slab was retired until it ends",
             DEST_ENGINE: "its destination engine blocks may still be written",
             DEST_PROBE: "loads from it are refused until it ends",
+            DEST_WORDS: "the generation words' scratch was retired until it ends",
         }[destination]
         logger.warning("NIXL READ from %s missed its deadline; %s", peer, consequence)
 

@@ -204,8 +204,9 @@ class NixlDirectTransport:
 
     @property
     def serves_generation_words(self) -> bool:
-        """Whether peers can READ this holder's generation words (registered
-        with its device tier): only then are lease-free reads of it safe."""
+        """Whether peers can READ this holder's generation words (published
+        beside its device tier, whatever its memory, ``published.py``): only
+        then are lease-free reads of it safe."""
         try:
             return self._endpoint.info.words is not None
         except RuntimeError:  # closed: nothing is served any more

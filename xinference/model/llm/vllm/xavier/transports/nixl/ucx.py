@@ -124,6 +124,29 @@ def pair_transports(
     return tuple(sorted(both - {"self"}))
 
 
+def log_endpoint_start(
+    agent_name: str, report: UcxReport, *, holds_vram: bool, memory: str
+) -> None:
+    """Log an endpoint's start (``memory``: what it registered) with its UCX
+    report, and warn where UCX will carry its bytes slowly."""
+    logger.info("NIXL endpoint %s %s; %s", agent_name, memory, report.describe())
+    if report.tcp_only:
+        logger.warning(
+            "NIXL endpoint %s: UCX offers only %s; every transfer goes through "
+            "TCP sockets (check UCX_TLS and the UCX transports installed)",
+            agent_name,
+            ", ".join(report.resources),
+        )
+    if holds_vram and report.probe_error is None:
+        if not {"cuda_copy", "cuda_ipc"} & set(report.transports):
+            logger.warning(
+                "NIXL endpoint %s holds VRAM but UCX offers no CUDA transport "
+                "(%s): GPU memory will be staged through host memory",
+                agent_name,
+                ", ".join(report.transports),
+            )
+
+
 def probe_ucx(agent: Any, applied: tuple[tuple[str, str], ...] = ()) -> UcxReport:
     """Report the UCX transports available to ``agent``'s process.
 

@@ -78,7 +78,7 @@ class NixlEndpointInfo:
     """What a loader needs to read a holder's device tier, fetched once per peer.
 
     ``metadata`` is NIXL partial metadata: connection info plus the device tier rows
-    only. ``generation`` changes whenever the holder re-registers those rows; with
+    only (``words_metadata``: the generation words'). ``generation`` changes whenever the holder re-registers those rows; with
     ``agent_name`` it is the epoch a ``NixlSource`` refers to.
     """
 
@@ -91,10 +91,12 @@ class NixlEndpointInfo:
     # process offers (``UcxReport.transports``), for the loader's path report
     host: str = ""
     transports: tuple[str, ...] = ()
-    # the device tier's generation words (int64, one per slot), registered with
-    # the rows: a lease-free reader READs them back after the rows; None: the
-    # holder offers none (``store/generations.py``)
+    # the device tier's generation words (int64, one per slot, in host memory
+    # even where the rows are on a GPU): a lease-free reader READs them back
+    # after the rows; None: the holder offers none (``store/generations.py``).
+    # Registered on their own, with partial metadata of their own (``published.py``)
     words: NixlRegion | None = None
+    words_metadata: bytes = b""
 
     @property
     def epoch(self) -> tuple[str, int]:
