@@ -18,8 +18,8 @@
 #   shared    the seed's: 12 prefixes of 1,536 tokens cold, 600 warm at
 #             concurrency 16, 64 output tokens (serving_benchmark.py shared)
 #   docqa     16 documents of 8,192 tokens x 4 questions, concurrency 8
-#   ttft3     TTFT on replica B at 2,048 / 8,192 / 32,768 tokens: local hit,
-#             remote hit, miss (round robin deployments only)
+#   ttft3     TTFT on replica B at 2,048 / 8,192 / 32,768 tokens (TTFT_LENGTHS):
+#             local hit, remote hit, miss (round robin deployments only)
 #
 # The plan (benchmark/results/h200.md, "Issue 29: planned, not run"), from the
 # project root, vLLM brought as run_h200_vllm.sh says (two pieces, machine warm):
@@ -193,8 +193,9 @@ for workload in $WORKLOADS; do
     ttft3)
       for d in "${LIVE[@]}"; do
         [[ $d == *-rr ]] || { note "ttft3 needs round robin: not on $d"; continue; }
+        # shellcheck disable=SC2086  # TTFT_LENGTHS: a word list
         room 90 "ttft3 $d" && bench "$d" "$d" "$d-ttft3" serving_8b.py --phases ttft3 \
-          --scale "$SCALE" --runs "${TTFT_RUNS:-5}"
+          --scale "$SCALE" --runs "${TTFT_RUNS:-5}" --lengths ${TTFT_LENGTHS:-2048 8192 32768}
       done ;;
     *) note "unknown workload $workload" ;;
   esac
