@@ -116,15 +116,18 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 class XavierWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: the replica identity, once the caches are mapped, and
-    the actor round trips of the loads that ended (req_id -> count)."""
+    of the loads that ended, the actor round trips (req_id -> count) and their
+    own time (req_id -> seconds)."""
 
     def __init__(
         self,
         identity: ReplicaIdentity | None,
         round_trips: dict[str, int] | None = None,
+        load_seconds: dict[str, float] | None = None,
     ) -> None:
         self.identity = identity
         self.round_trips = round_trips or {}
+        self.load_seconds = load_seconds or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: the identity any rank reported (every rank's
@@ -134,6 +137,7 @@ class XavierWorkerMetadata(KVConnectorWorkerMetadata):
         return XavierWorkerMetadata(
             self.identity or other.identity,
             merge_round_trips(self.round_trips, other.round_trips),
+            merge_round_trips(self.load_seconds, other.load_seconds),
         )
 
 
@@ -433,7 +437,9 @@ class XavierConnector(KVConnectorBase_V1):
             if isinstance(meta, XavierWorkerMetadata):
                 if meta.identity is not None:
                     self._scheduler.set_identity(meta.identity)
-                self._scheduler.record_load_round_trips(meta.round_trips)
+                self._scheduler.record_load_round_trips(
+                    meta.round_trips, meta.load_seconds
+                )
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
@@ -543,10 +549,10 @@ class XavierConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         identity = self._worker.take_identity_report()
-        round_trips = self._worker.take_round_trips()
-        if identity is None and not round_trips:
+        ended = self._worker.take_ended_loads()
+        if identity is None and not ended.round_trips:
             return None
-        return XavierWorkerMetadata(identity, round_trips)
+        return XavierWorkerMetadata(identity, ended.round_trips, ended.seconds)
 
     def shutdown(self) -> None:
         self._engine_time.log()
