@@ -296,6 +296,7 @@ def test_options_arrive_in_each_replica_process(
             "transport": "nixl",  # the default
             "cross_layer_blocks": False,
             "remote_loads": True,  # the default
+            "fast_path": None,  # not given: the engine's environment decides
             "model_uid": MODEL_NAME,
             "rank": rank,
             "tracker_address": report["xavier"]["tracker_address"],

@@ -50,12 +50,7 @@ from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
 from .direct_reads import direct_reads_factory
 from .engine_time import EngineTime, timed
-from .fast_path import (
-    SyncLoadPolicy,
-    address_host,
-    fast_path_base_s,
-    fast_path_enabled,
-)
+from .fast_path import direct_reads_wanted, sync_load_policy
 from .faults import ConnectorFaults
 from .ranks import (
     merge_round_trips,
@@ -66,6 +61,7 @@ from .ranks import (
 from .scheduler import SchedulerSettings, SchedulerSide
 from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
+    FinishedParams,
     check_supported,
     cross_layer_views,
     on_cpu,
@@ -188,6 +184,7 @@ class XavierConnector(KVConnectorBase_V1):
         # Loads whose fallback failed too (update_state_after_alloc): the next
         # step reports their blocks as failed all the same (see _last_resort).
         self._unreported_failures: list[RequestLoad] = []
+        self._finished_params = FinishedParams()
         if role == KVConnectorRole.SCHEDULER:
             settings = SchedulerSettings(
                 rank=options.rank,
@@ -196,13 +193,7 @@ class XavierConnector(KVConnectorBase_V1):
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,
                 remote_loads=options.config.remote_loads,
-                sync_loads=SyncLoadPolicy(
-                    # the bound is per load; a tensor-parallel one is N loads
-                    enabled=fast_path_enabled() and options.tensor_parallel_size == 1,
-                    host=address_host(options.transfer_address),
-                    base_s=fast_path_base_s(),
-                    lease_free=options.config.transport == "nixl",
-                ),
+                sync_loads=sync_load_policy(options),
             )
             mirror = TrackerMirror(
                 self._mirror_changes, rpc_timeout_s=options.rpc_timeout_s
@@ -228,9 +219,7 @@ class XavierConnector(KVConnectorBase_V1):
                 layout_hint=PACKED_KV_LAYOUT if on_cpu(vllm_config) else None,
             )
             direct_reads = direct_reads_factory(
-                enabled=load_async
-                and fast_path_enabled()
-                and options.config.transport == "nixl",
+                enabled=direct_reads_wanted(options),
                 loop=self._loop,
                 num_blocks=kv_cache_config.num_blocks,
                 layout_hint=worker_settings.layout_hint,
@@ -434,12 +423,12 @@ class XavierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         try:
             meta = connector_output.kv_connector_worker_meta
-            if isinstance(meta, XavierWorkerMetadata):
-                if meta.identity is not None:
-                    self._scheduler.set_identity(meta.identity)
-                self._scheduler.record_load_round_trips(
-                    meta.round_trips, meta.load_seconds
-                )
+            if not isinstance(meta, XavierWorkerMetadata):
+                meta = XavierWorkerMetadata(None)
+            if meta.identity is not None:
+                self._scheduler.set_identity(meta.identity)
+            self._scheduler.record_load_round_trips(meta.round_trips, meta.load_seconds)
+            self._finished_params.complete(meta.round_trips, meta.load_seconds)
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
@@ -450,7 +439,8 @@ class XavierConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         try:
-            return False, self._scheduler.request_finished(request.request_id)
+            params = self._scheduler.request_finished(request.request_id)
+            return False, self._finished_params.finished(request.request_id, params)
         except Exception as exc:
             self._faults.record("request_finished", exc)
             return False, None
