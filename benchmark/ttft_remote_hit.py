@@ -272,7 +272,9 @@ def print_table(label: str, rows: list[dict[str, Any]], stats: dict[int, Any]) -
     loads = stats[1]["actor"]
     print(
         f"\nB's transfer actor: {loads.get('loads_ok')} loads ok, "
-        f"{loads.get('loads_failed')} failed, {loads.get('loads_cancelled')} cancelled"
+        f"{loads.get('loads_failed')} failed, {loads.get('loads_cancelled')} "
+        f"cancelled; its engine READ {loads.get('direct_reads')} lease-free loads "
+        f"itself ({loads.get('direct_reads_stale')} stale)"
     )
     print("\nGoal, p50s: remote - local <= load + 1 ms")
     for row in rows:

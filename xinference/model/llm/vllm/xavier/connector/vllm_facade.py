@@ -48,6 +48,7 @@ from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
+from .direct_read_counts import DirectReadCounts
 from .direct_reads import direct_reads_factory
 from .engine_time import EngineTime, timed
 from .fast_path import direct_reads_wanted, sync_load_policy
@@ -181,6 +182,7 @@ class XavierConnector(KVConnectorBase_V1):
         self._mirror: TrackerMirror | None = None
         self._mirror_run: concurrent.futures.Future[None] | None = None
         self._worker: WorkerSide | None = None
+        self._direct_counts: DirectReadCounts | None = None  # the worker's
         # Loads whose fallback failed too (update_state_after_alloc): the next
         # step reports their blocks as failed all the same (see _last_resort).
         self._unreported_failures: list[RequestLoad] = []
@@ -227,8 +229,14 @@ class XavierConnector(KVConnectorBase_V1):
                 holder_calls=self._holder_transport_call,
                 rpc_timeout_s=options.rpc_timeout_s,
             )
+            self._direct_counts = DirectReadCounts(
+                self._loop, self._transfer_actor, options.rpc_timeout_s
+            )
             self._worker = WorkerSide(
-                worker_settings, self._loop, self._transfer_actor, direct_reads
+                worker_settings,
+                self._loop,
+                self._transfer_actor,
+                self._direct_counts.watch(direct_reads),
             )
 
     @property
@@ -489,6 +497,8 @@ class XavierConnector(KVConnectorBase_V1):
         step = self._step()
         try:
             self._worker.start_load_kv(step)
+            if self._direct_counts is not None:  # to the metrics, not waited for
+                self._direct_counts.report()
         except Exception as exc:
             self._faults.record("start_load_kv", exc)
             self._faults.attempt(
