@@ -319,7 +319,9 @@ def _xavier_config(
             remote_loads=_require_bool("xavier_remote_loads", remote_loads),
             # None: the engine's environment decides (XAVIER_FAST_PATH)
             fast_path=(
-                None if fast_path is None else _require_bool("xavier_fast_path", fast_path)
+                None
+                if fast_path is None
+                else _require_bool("xavier_fast_path", fast_path)
             ),
         )
     except ValueError as error:

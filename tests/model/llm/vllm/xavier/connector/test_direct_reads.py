@@ -22,8 +22,8 @@ import pytest
 import torch
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
 from xinference.core.metrics import XAVIER_METRICS, lookup
+from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
 from xinference.model.llm.vllm.xavier.connector.direct_read_counts import (
     DirectReadCounts,
 )

@@ -9,6 +9,11 @@ from typing import Any
 
 import pytest
 
+from xinference.core.options import LaunchSpec
+from xinference.model.llm.vllm.xavier.config import (
+    XavierConfig,
+    XavierReplicaSettings,
+)
 from xinference.model.llm.vllm.xavier.connector.fast_path import (
     DEFAULT_BASE_S,
     FAST_PATH_BASE_ENV,
@@ -23,11 +28,6 @@ from xinference.model.llm.vllm.xavier.connector.fast_path import (
 from xinference.model.llm.vllm.xavier.connector.scheduler import (
     ScheduledRequest,
     SchedulerSide,
-)
-from xinference.core.options import LaunchSpec
-from xinference.model.llm.vllm.xavier.config import (
-    XavierConfig,
-    XavierReplicaSettings,
 )
 from xinference.model.llm.vllm.xavier.wire import (
     CPU_TIER,
@@ -210,4 +210,3 @@ def test_a_replica_settings_dict_with_a_non_boolean_fast_path_is_refused():
     ).to_dict()
     with pytest.raises(ValueError, match="xavier_fast_path must be a boolean"):
         XavierReplicaSettings.from_dict({**settings, "fast_path": "yes"})
-

@@ -66,7 +66,9 @@ def test_worker_metadata_of_the_ranks_is_merged():
     merged = aggregator.aggregate(
         [
             rank_output(
-                kv_connector_worker_meta=XavierWorkerMetadata(None, {"a": 2}, {"a": 0.5})
+                kv_connector_worker_meta=XavierWorkerMetadata(
+                    None, {"a": 2}, {"a": 0.5}
+                )
             ),
             rank_output(
                 kv_connector_worker_meta=XavierWorkerMetadata(

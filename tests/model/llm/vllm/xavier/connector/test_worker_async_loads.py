@@ -162,7 +162,6 @@ def test_start_load_kv_returns_before_the_actor_answers(loop):
     assert worker.take_ended_loads().round_trips == {"a": 2}
 
 
-
 def test_a_loads_own_time_ends_when_the_actor_answered_not_when_drained(loop):
     """The benchmark compares remote - local against the load's own time: a
     load whose completion waits on the queue for the next get_finished must
@@ -179,6 +178,7 @@ def test_a_loads_own_time_ends_when_the_actor_answered_not_when_drained(loop):
     assert finished_within(one.worker, "t", 10) == set()
     seconds = one.worker.take_ended_loads().seconds
     assert 0.1 <= seconds["t"] <= answered, (seconds, answered)
+
 
 def test_a_load_the_actor_refuses_is_reported_failed(loop):
     one = setup(loop, 1, "lease-r")

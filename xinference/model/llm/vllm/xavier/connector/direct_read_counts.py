@@ -67,9 +67,7 @@ class DirectReadCounts:
     async def _send(self, totals: tuple[int, int]) -> None:
         try:
             actor = await self._actor()
-            await with_deadline(
-                actor.record_direct_reads(*totals), self._rpc_timeout_s
-            )
+            await with_deadline(actor.record_direct_reads(*totals), self._rpc_timeout_s)
         except Exception as exc:  # the next step's report carries the totals
             logger.debug("Xavier: direct read counts not reported: %r", exc)
             return
