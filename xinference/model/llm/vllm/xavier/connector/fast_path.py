@@ -19,10 +19,11 @@ either, and the worker READs it from its own agent (``lease_free.py``,
 
 The synchronous path is opt-in: the launch option ``xavier_fast_path`` turns it on
 or off (``XavierConfig.fast_path``); left unset, ``XAVIER_FAST_PATH=1`` in the
-engine's environment turns it on (benchmarks compare both in one run). It stays off by default until it
-has run on a GPU host: on the busy 2-core CPU machine a load's Python alone can
-take more than the default bound, and a hit that misses its bound is recomputed, so
-on such a host it costs a recomputation instead of saving passes.
+engine's environment turns it on (benchmarks compare both in one run). It stays
+off by default until it has run on a GPU host: on the busy 2-core CPU machine a
+load's Python alone can take more than the default bound, and a hit that misses
+its bound is recomputed, so on such a host it costs a recomputation instead of
+saving passes.
 ``XAVIER_FAST_PATH_BASE_MS`` sets the fixed part of the bound (default 2 ms; a host
 whose Python is slow needs more), within the 10 ms cap.
 """
