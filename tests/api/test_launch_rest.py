@@ -69,6 +69,19 @@ def http(server):
             dict(replica=2, xavier_remote_loads=False),
             "xavier_remote_loads=false (routing only) needs enable_xavier",
         ),
+        # not coerced by the request schema: a 400 that names the option
+        (
+            dict(replica=2, enable_xavier=True, xavier_fast_path="no"),
+            "xavier_fast_path must be a boolean, got 'no'",
+        ),
+        (
+            dict(replica=2, enable_xavier=True, xavier_fast_path=1),
+            "xavier_fast_path must be a boolean, got 1",
+        ),
+        (
+            dict(replica=2, xavier_fast_path=True),
+            "xavier_fast_path is set but enable_xavier is not",
+        ),
     ],
 )
 def test_invalid_launch_options_are_a_400(http, model_dir, options, message):

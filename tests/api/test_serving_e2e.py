@@ -187,6 +187,9 @@ def xavier_run(server: LocalServer) -> Run:
         "--enable-xavier",
         "--xavier-gpu-cache-bytes",
         GPU_CACHE,
+        # explicit: the switch must reach the replica processes (and wins over
+        # an XAVIER_FAST_PATH the test host may have set)
+        "--no-xavier-fast-path",
         *ENGINE_OPTIONS,
     ]
     result = runner.invoke(cli, invoke)
@@ -268,6 +271,7 @@ def test_cli_launch_states_the_xavier_settings(xavier_run: Run) -> None:
         "Xavier: on, GPU-first, device budget 67108864 bytes, transport nixl"
         in xavier_run.launch_output
     )
+    assert "fast path off" in xavier_run.launch_output  # --no-xavier-fast-path
     # the UCX transports the replicas may use (the CPU test host has no CUDA)
     ucx = "(set by you)" if os.environ.get("UCX_TLS") else "UCX picks its transports"
     assert ucx in xavier_run.launch_output
@@ -296,6 +300,7 @@ def test_options_arrive_in_each_replica_process(
             "transport": "nixl",  # the default
             "cross_layer_blocks": False,
             "remote_loads": True,  # the default
+            "fast_path": False,  # --no-xavier-fast-path, carried as given
             "model_uid": MODEL_NAME,
             "rank": rank,
             "tracker_address": report["xavier"]["tracker_address"],

@@ -135,6 +135,14 @@ def test_generation_config_defaults_to_auto_and_reaches_the_engine(model_dir):
             dict(replica=2, enable_xavier=True, xavier_remote_loads="no"),
             "xavier_remote_loads must be a boolean, got 'no'",
         ),
+        (
+            dict(replica=2, enable_xavier=True, xavier_fast_path="yes"),
+            "xavier_fast_path must be a boolean, got 'yes'",
+        ),
+        (
+            dict(replica=2, xavier_fast_path=False),
+            "xavier_fast_path is set but enable_xavier is not",
+        ),
         (dict(router="random"), "unknown router 'random'"),
         (dict(replica=0), "replica must be >= 1, got 0"),
         (dict(replica="2"), "replica must be an integer"),

@@ -62,6 +62,10 @@ def run_cli(server, *args):
             ["--replica", "2", "--no-xavier-remote-loads"],
             "xavier_remote_loads=false (routing only) needs enable_xavier",
         ),
+        (
+            ["--replica", "2", "--xavier-fast-path"],
+            "xavier_fast_path is set but enable_xavier is not",
+        ),
     ],
 )
 def test_launch_validation_errors(server, model_dir, options, message):
@@ -70,6 +74,35 @@ def test_launch_validation_errors(server, model_dir, options, message):
     assert "Error:" in result.output and message in result.output
     # nothing was started: the model is not listed
     assert "no models" in run_cli(server, "list").output
+
+
+@pytest.mark.parametrize(
+    "options, sent",
+    [
+        ([], None),  # neither flag: the engine's $XAVIER_FAST_PATH decides
+        (["--xavier-fast-path"], True),
+        (["--no-xavier-fast-path"], False),
+        (["--xavier_fast_path", "false"], False),  # upstream's --key value form
+    ],
+)
+def test_the_fast_path_switch_is_sent_as_given(monkeypatch, model_dir, options, sent):
+    """Tri-state: only an explicit flag overrides the engine's environment."""
+    from xinference.client.restful_client import Client
+
+    launched: dict = {}
+
+    def launch(self, **body):
+        launched.update(body)
+        return {"model_uid": "m", "xavier": "Xavier: on", "replicas": []}
+
+    monkeypatch.setattr(Client, "launch_model_detailed", launch)
+    result = CliRunner().invoke(
+        cli,
+        ["launch", "-e", "http://127.0.0.1:9", "--model-path", model_dir]
+        + ["-u", "m", "-r", "2", "--enable-xavier", *options],
+    )
+    assert result.exit_code == 0, result.output
+    assert launched["xavier_fast_path"] is sent
 
 
 def test_unknown_model_name(server):

@@ -30,6 +30,10 @@ class LaunchRequest(BaseModel):
     xavier_transport: str = DEFAULT_TRANSPORT
     xavier_cross_layer_blocks: bool = False
     xavier_remote_loads: bool = True
+    # None: the engine's XAVIER_FAST_PATH decides. Typed Any so that a value that
+    # is not a boolean reaches LaunchSpec's check (a 400 naming the option)
+    # instead of being coerced ("no" -> False) or refused as a 422.
+    xavier_fast_path: Any = None
     router: str = "round-robin"
     router_busy_margin: int = 2
     tensor_parallel_size: int = 1

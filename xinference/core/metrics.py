@@ -131,6 +131,18 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
         "on; the affected requests recomputed)",
     ),
     XavierMetric(
+        "actor.direct_reads",
+        "xavier_direct_reads",
+        "Lease-free loads the engine process READ from a peer itself and checked "
+        "(fast path), stale ones included",
+    ),
+    XavierMetric(
+        "actor.direct_reads_stale",
+        "xavier_direct_reads_stale",
+        "Lease-free loads that failed because a snapshot changed on the holder "
+        "(the engine recomputed those blocks)",
+    ),
+    XavierMetric(
         "store.device_snapshots", "xavier_snapshots", _HELD, kind="gauge", tier="device"
     ),
     XavierMetric(

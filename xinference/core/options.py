@@ -94,6 +94,7 @@ class LaunchSpec:
         xavier_transport: str = DEFAULT_TRANSPORT,
         xavier_cross_layer_blocks: bool = False,
         xavier_remote_loads: bool = True,
+        xavier_fast_path: bool | None = None,
         router: str = "round-robin",
         router_busy_margin: int = 2,
         tensor_parallel_size: int = 1,
@@ -181,6 +182,7 @@ class LaunchSpec:
             xavier_transport,
             xavier_cross_layer_blocks,
             xavier_remote_loads,
+            xavier_fast_path,
             engine=engine_name,
             replica=replica,
             tensor_parallel_size=tensor_parallel_size,
@@ -257,6 +259,7 @@ def _xavier_config(
     transport: str,
     cross_layer_blocks: bool,
     remote_loads: bool,
+    fast_path: bool | None,
     *,
     engine: str,
     replica: int,
@@ -277,6 +280,11 @@ def _xavier_config(
             raise LaunchOptionError(
                 "xavier_remote_loads=false (routing only) needs enable_xavier: the "
                 "replicas publish what they hold through Xavier's block tracker"
+            )
+        if fast_path is not None:
+            raise LaunchOptionError(
+                "xavier_fast_path is set but enable_xavier is not; the fast path "
+                "is how Xavier loads a peer's KV"
             )
         return XavierConfig(enabled=False)
     if engine != "vllm":
@@ -309,6 +317,12 @@ def _xavier_config(
                 "xavier_cross_layer_blocks", cross_layer_blocks
             ),
             remote_loads=_require_bool("xavier_remote_loads", remote_loads),
+            # None: the engine's environment decides (XAVIER_FAST_PATH)
+            fast_path=(
+                None
+                if fast_path is None
+                else _require_bool("xavier_fast_path", fast_path)
+            ),
         )
     except ValueError as error:
         raise LaunchOptionError(str(error)) from None

@@ -4,7 +4,7 @@
     xinference-supervisor -H H -p P [--supervisor-port SP]     supervisor + HTTP server
     xinference-worker -e http://H:P -H WORKER_HOST [--worker-port WP]   one per host
     xinference launch --model-engine vllm --model-path PATH --replica 2 \\
-        --enable-xavier --xavier-gpu-cache-bytes 256MiB
+        --enable-xavier --xavier-gpu-cache-bytes 256MiB [--xavier-fast-path]
     xinference launch --model-name tiny-qwen2 --replica 2 --enable-xavier
     xinference launch -n tiny-qwen2 -en vllm -r 2 --enable_xavier true \\
         --max_num_batched_tokens 1024 -e http://127.0.0.1:9997
@@ -36,7 +36,6 @@ from ..client.restful_client import Client, XinferenceError
 from ..core.engine_args import parse_cli_value
 from ..core.logs import configure as configure_logging
 from ..core.options import default_model_uid
-from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, TRANSPORTS
 from .cli_auth import (
     auth_option,
     cluster_secret_option,
@@ -45,6 +44,7 @@ from .cli_auth import (
     login,
     server_auth,
 )
+from .launch_options import xavier_launch_options
 from .summary import summarize_xavier
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
@@ -374,37 +374,7 @@ def _endpoint(
     type=(str, str),
     help="NAME PATH of a LoRA adapter (not supported here: refused)",
 )
-@click.option("--enable-xavier", is_flag=True, help="share prefix KV between replicas")
-@click.option(
-    "--xavier-gpu-cache-bytes",
-    default=None,
-    help="GPU-first device budget: bytes or a size such as 256MiB (0: no budget)",
-)
-@click.option(
-    "--xavier-transport",
-    default=DEFAULT_TRANSPORT,
-    show_default=True,
-    type=click.Choice(list(TRANSPORTS)),
-)
-@click.option(
-    "--xavier-cross-layer-blocks",
-    is_flag=True,
-    help="ask vLLM for one KV allocation where a block of every layer is contiguous",
-)
-@click.option(
-    "--xavier-remote-loads/--no-xavier-remote-loads",
-    default=True,
-    show_default=True,
-    help="off: replicas publish what they hold (for --router cache-aware) but never "
-    "load KV from a peer (routing only)",
-)
-@click.option(
-    "--router",
-    default="round-robin",
-    show_default=True,
-    type=click.Choice(["round-robin", "cache-aware"]),
-)
-@click.option("--router-busy-margin", default=2, show_default=True, type=int)
+@xavier_launch_options
 @click.option("--tensor-parallel-size", default=1, show_default=True, type=int)
 @click.option("--pipeline-parallel-size", default=1, show_default=True, type=int)
 @click.option("--block-size", default=None, type=int)

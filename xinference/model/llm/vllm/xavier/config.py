@@ -83,6 +83,9 @@ class XavierConfig:
     and publish their blocks, so the tracker (and the cache-aware router) knows who
     holds what, but no replica loads from a peer ("routing only", the baseline
     that tells what moving KV adds to routing each request to its prefix).
+    ``fast_path``: the synchronous, lease-free path for bounded remote hits
+    (``connector/fast_path.py``); None leaves it to the engine's environment
+    (``XAVIER_FAST_PATH``, off when unset), True or False decides regardless of it.
     """
 
     enabled: bool = False
@@ -90,6 +93,7 @@ class XavierConfig:
     transport: str = DEFAULT_TRANSPORT
     cross_layer_blocks: bool = False
     remote_loads: bool = True
+    fast_path: bool | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_cache_bytes is not None and self.gpu_cache_bytes < 0:
@@ -100,6 +104,10 @@ class XavierConfig:
             raise ValueError(
                 f"unknown xavier transport {self.transport!r}; choose one of {TRANSPORTS}"
             )
+        if self.fast_path is not None and not isinstance(self.fast_path, bool):
+            raise ValueError(
+                f"xavier_fast_path must be a boolean or unset, got {self.fast_path!r}"
+            )
 
     @classmethod
     def from_options(
@@ -109,6 +117,7 @@ class XavierConfig:
         xavier_transport: str = DEFAULT_TRANSPORT,
         xavier_cross_layer_blocks: bool = False,
         xavier_remote_loads: bool = True,
+        xavier_fast_path: bool | None = None,
     ) -> XavierConfig:
         size = (
             None
@@ -121,6 +130,7 @@ class XavierConfig:
             transport=xavier_transport,
             cross_layer_blocks=bool(xavier_cross_layer_blocks),
             remote_loads=bool(xavier_remote_loads),
+            fast_path=xavier_fast_path,
         )
 
     @property
@@ -137,7 +147,12 @@ class XavierConfig:
             tier = f"GPU-first, device budget {self.gpu_cache_bytes} bytes"
         layout = ", cross-layer KV blocks" if self.cross_layer_blocks else ""
         loads = "" if self.remote_loads else ", remote loads off (routing only)"
-        return f"Xavier: on, {tier}, transport {self.transport}{layout}{loads}"
+        fast = (
+            ""
+            if self.fast_path is None
+            else f", fast path {'on' if self.fast_path else 'off'}"
+        )
+        return f"Xavier: on, {tier}, transport {self.transport}{layout}{loads}{fast}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +184,7 @@ class XavierReplicaSettings:
             "transport": self.config.transport,
             "cross_layer_blocks": self.config.cross_layer_blocks,
             "remote_loads": self.config.remote_loads,
+            "fast_path": self.config.fast_path,
             "model_uid": self.model_uid,
             "rank": self.rank,
             "tracker_address": self.tracker_address,
@@ -188,6 +204,7 @@ class XavierReplicaSettings:
                 transport=data.get("transport", DEFAULT_TRANSPORT),
                 cross_layer_blocks=bool(data.get("cross_layer_blocks", False)),
                 remote_loads=bool(data.get("remote_loads", True)),
+                fast_path=data.get("fast_path"),
             )
             return cls(
                 config=config,

@@ -95,6 +95,16 @@ class ActorCounters:
     leases_expired: int = 0
     tracker_failures: int = 0
     connector_faults: int = 0  # contained inside this replica's vLLM connector
+    # lease-free loads the engine process READ itself (connector/direct_reads.py),
+    # as its last report said: all of them, and those failed as stale
+    direct_reads: int = 0
+    direct_reads_stale: int = 0
+
+    def record_direct_reads(self, reads: int, stale: int) -> None:
+        """The engine process's totals so far: a report lost or overtaken is made
+        good by a later one, and a counter never goes back."""
+        self.direct_reads = max(self.direct_reads, reads)
+        self.direct_reads_stale = max(self.direct_reads_stale, stale)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,11 @@ import pytest
 import torch
 import xoscar as xo
 
+from xinference.core.metrics import XAVIER_METRICS, lookup
 from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
+from xinference.model.llm.vllm.xavier.connector.direct_read_counts import (
+    DirectReadCounts,
+)
 from xinference.model.llm.vllm.xavier.connector.direct_reads import (
     REPLY_ALLOWANCE_S,
     DirectReads,
@@ -30,6 +34,7 @@ from xinference.model.llm.vllm.xavier.connector.direct_reads import (
 from xinference.model.llm.vllm.xavier.connector.lease_free import LEASE_FREE_PREFIX
 from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
+from xinference.model.llm.vllm.xavier.stats import ActorCounters, XavierStats
 from xinference.model.llm.vllm.xavier.wire import (
     DEVICE_TIER,
     KVGeometry,
@@ -161,7 +166,12 @@ async def test_a_slot_reused_after_its_location_was_published_fails_the_load(hol
         assert outcome["fresh"] is None and block_bytes(cache, 3) == {4}
         # what would have been reported loaded without the check
         assert block_bytes(cache, 6) == {7}
-        assert reads.stale == 1
+        assert reads.loads == 2 and reads.stale == 1
+        # ... and the metrics say so, through the loader's transfer actor
+        assert await asyncio.to_thread(exported_counts, loop, reads) == {
+            "xavier_direct_reads": 2,
+            "xavier_direct_reads_stale": 1,
+        }
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()
@@ -229,6 +239,38 @@ async def test_a_holder_with_its_device_tier_on_a_gpu_serves_lease_free_loads(
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()
+
+
+class CountingActor:
+    """The loader's transfer actor as the counts reach it: its own counters."""
+
+    def __init__(self) -> None:
+        self.counters = ActorCounters()
+
+    async def record_direct_reads(self, reads: int, stale: int) -> None:
+        self.counters.record_direct_reads(reads, stale)
+
+
+def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float]:
+    """The direct-read series the metrics export once the worker reported."""
+    actor = CountingActor()
+
+    async def own_actor() -> CountingActor:
+        return actor
+
+    counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0)
+    make = counts.watch(lambda kv_caches: reads)
+    assert make is not None and make([]) is reads
+    counts.report()  # after a step's loads, as the facade calls it
+    deadline = time.monotonic() + 10
+    while actor.counters.direct_reads < reads.loads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = XavierStats(actor=actor.counters)
+    return {
+        metric.name: lookup(stats, metric.stat) or 0
+        for metric in XAVIER_METRICS
+        if metric.name.startswith("xavier_direct_reads")
+    }
 
 
 # Over shared memory a READ needs nothing of the holder's process, so stopping it

@@ -9,14 +9,21 @@ from typing import Any
 
 import pytest
 
+from xinference.core.options import LaunchSpec
+from xinference.model.llm.vllm.xavier.config import (
+    XavierConfig,
+    XavierReplicaSettings,
+)
 from xinference.model.llm.vllm.xavier.connector.fast_path import (
     DEFAULT_BASE_S,
     FAST_PATH_BASE_ENV,
     FAST_PATH_ENV,
     SyncLoadPolicy,
     address_host,
+    direct_reads_wanted,
     fast_path_base_s,
     fast_path_enabled,
+    sync_load_policy,
 )
 from xinference.model.llm.vllm.xavier.connector.scheduler import (
     ScheduledRequest,
@@ -154,3 +161,52 @@ def test_the_fast_path_is_opt_in(monkeypatch):
     assert fast_path_enabled()
     monkeypatch.setenv(FAST_PATH_ENV, "0")
     assert not fast_path_enabled()
+
+
+@pytest.mark.parametrize(
+    "option, env, enabled",
+    [
+        (None, None, False),  # the default: off
+        (None, "1", True),  # unset: the environment decides
+        (True, None, True),
+        (True, "0", True),  # an explicit option wins over the environment
+        (False, "1", False),
+    ],
+)
+def test_the_launch_option_reaches_the_connectors_policy(
+    monkeypatch, tmp_path, option, env, enabled
+):
+    """launch option -> XavierConfig -> the dict in kv_connector_extra_config ->
+    the scheduler half's SyncLoadPolicy and the worker half's direct reads."""
+    if env is None:
+        monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FAST_PATH_ENV, env)
+    spec = LaunchSpec.from_options(
+        model_path=str(tmp_path),
+        replica=2,
+        enable_xavier=True,
+        xavier_gpu_cache_bytes="64MiB",
+        xavier_fast_path=option,
+    )
+    settings = XavierReplicaSettings(
+        spec.xavier, "m", 1, "t", "tu", "nixl://127.0.0.1:5", "xu"
+    )
+    arrived = XavierReplicaSettings.from_dict(settings.to_dict())
+    assert arrived.config.fast_path is option
+    policy = sync_load_policy(arrived)
+    assert policy.enabled is enabled and policy.lease_free
+    assert policy.host == "127.0.0.1"
+    assert direct_reads_wanted(arrived) is enabled
+    # tensor parallel: the bound is per load, so never synchronous
+    tp = dataclasses.replace(arrived, tensor_parallel_size=2)
+    assert not sync_load_policy(tp).enabled
+
+
+def test_a_replica_settings_dict_with_a_non_boolean_fast_path_is_refused():
+    config = XavierConfig(enabled=True, fast_path=True)
+    settings = XavierReplicaSettings(
+        config, "m", 1, "t", "tu", "nixl://127.0.0.1:5", "xu"
+    ).to_dict()
+    with pytest.raises(ValueError, match="xavier_fast_path must be a boolean"):
+        XavierReplicaSettings.from_dict({**settings, "fast_path": "yes"})

@@ -482,13 +482,14 @@ def test_allocation_turns_the_reservation_into_a_load(loop, tracker):
     # The lease now belongs to the load: finishing the request does not release it.
     # Counted: scheduled in the pass that looked it up; the tracker (no mirror
     # here) and the holder asked once each, plus what the worker reported.
-    side.record_load_round_trips({"r": 3, "other": 5})
+    side.record_load_round_trips({"r": 3, "other": 5}, {"r": 0.0025, "other": 1.0})
     assert side.request_finished("r") == {
         "xavier_external_tokens": 2 * BS,
         "xavier_holder_rank": HOLDER,
         "xavier_passes_waited": 0,
         "xavier_passes_deferred": 0,
         "xavier_round_trips": 2 + 3,
+        "xavier_load_ms": 2.5,  # the load's own time, as the worker measured it
     }
     side.flush(2)
     assert holder.released == []

@@ -65,12 +65,20 @@ def test_worker_metadata_of_the_ranks_is_merged():
     aggregator = KVOutputAggregator(expected_finished_count=2)
     merged = aggregator.aggregate(
         [
-            rank_output(kv_connector_worker_meta=XavierWorkerMetadata(None, {"a": 2})),
             rank_output(
-                kv_connector_worker_meta=XavierWorkerMetadata(identity, {"a": 3})
+                kv_connector_worker_meta=XavierWorkerMetadata(
+                    None, {"a": 2}, {"a": 0.5}
+                )
+            ),
+            rank_output(
+                kv_connector_worker_meta=XavierWorkerMetadata(
+                    identity, {"a": 3}, {"a": 0.25}
+                )
             ),
         ]
     )
     meta = merged.kv_connector_output.kv_connector_worker_meta
     assert isinstance(meta, XavierWorkerMetadata)
     assert meta.identity == identity and meta.round_trips == {"a": 3}
+    # a request waited for its slowest rank's load
+    assert meta.load_seconds == {"a": 0.5}

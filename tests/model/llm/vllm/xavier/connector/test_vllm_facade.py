@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
 )
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from xinference.model.llm.vllm.xavier.connector.step import (  # noqa: E402
     RequestLoad,
@@ -33,6 +34,7 @@ from xinference.model.llm.vllm.xavier.connector.vllm_compat import (  # noqa: E4
 from xinference.model.llm.vllm.xavier.connector.vllm_facade import (  # noqa: E402
     XavierConnector,
     XavierConnectorMetadata,
+    XavierWorkerMetadata,
     _log_where_the_engine_logs,
 )
 
@@ -191,6 +193,37 @@ def test_a_failed_step_still_fails_its_pending_loads(scheduler_connector):
 def test_a_failed_finish_reports_nothing(scheduler_connector):
     connector, _ = scheduler_connector
     assert connector.request_finished(request(), [1]) == (False, None)
+
+
+def test_a_request_finished_in_its_load_step_gets_its_workers_counts():
+    """vLLM calls request_finished before update_connector_output in the same
+    update_from_output: a one-token answer whose synchronous load ran in that
+    step still reports the worker's round trips and the load's own time."""
+    connector = XavierConnector(vllm_config(), KVConnectorRole.SCHEDULER, PLAIN)
+    params = {"xavier_round_trips": 1, "xavier_load_ms": None}
+    half = Raising(
+        request_finished=params,
+        record_load_round_trips=None,
+        loads_failed=None,
+        close=None,
+    )
+    connector._scheduler = half  # type: ignore[assignment]
+    try:
+        finished, sent = connector.request_finished(request(), [1])
+        assert sent is params and not finished
+
+        def report(round_trips: int, seconds: float) -> Any:
+            meta = XavierWorkerMetadata(None, {"r": round_trips}, {"r": seconds})
+            return KVConnectorOutput(kv_connector_worker_meta=meta)
+
+        connector.update_connector_output(report(2, 0.004))
+        assert params == {"xavier_round_trips": 1 + 2, "xavier_load_ms": 4.0}
+        # completed once: a later report is not this request's
+        connector.update_connector_output(report(5, 1.0))
+        assert params == {"xavier_round_trips": 3, "xavier_load_ms": 4.0}
+        assert connector._faults.total == 0
+    finally:
+        connector.shutdown()
 
 
 def test_worker_faults_fail_the_step_loads_and_skip_staging():

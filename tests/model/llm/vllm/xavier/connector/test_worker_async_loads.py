@@ -159,7 +159,25 @@ def test_start_load_kv_returns_before_the_actor_answers(loop):
         assert torch.equal(target.read_block(dst), holder.engine.read_block(src))
     assert actor.calls == ["run_load"]
     # run_load, and the holder's transport call (the release is not on the path)
-    assert worker.take_round_trips() == {"a": 2}
+    assert worker.take_ended_loads().round_trips == {"a": 2}
+
+
+def test_a_loads_own_time_ends_when_the_actor_answered_not_when_drained(loop):
+    """The benchmark compares remote - local against the load's own time: a
+    load whose completion waits on the queue for the next get_finished must
+    not count that wait as its own."""
+    one = setup(loop, 2, "lease-t", answer=False)
+    began = time.monotonic()
+    one.worker.start_load_kv(async_step(("t", request(one.grant, [8, 9], "load-t"))))
+    time.sleep(0.1)  # the actor is slow: this is the load's own time
+    loop.run(_set(one.actor.answer), 5)
+    while not one.worker._posted._completions:  # pushed, not drained yet
+        time.sleep(0.005)
+    answered = time.monotonic() - began
+    time.sleep(0.5)  # no step drains it meanwhile
+    assert finished_within(one.worker, "t", 10) == set()
+    seconds = one.worker.take_ended_loads().seconds
+    assert 0.1 <= seconds["t"] <= answered, (seconds, answered)
 
 
 def test_a_load_the_actor_refuses_is_reported_failed(loop):

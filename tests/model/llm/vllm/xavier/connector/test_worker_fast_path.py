@@ -122,7 +122,7 @@ def test_a_stalled_holder_costs_the_step_its_bound_and_only_its_own_blocks(loop)
     assert worker.get_finished(set()) == (None, None)
     # counted: one load_now call each, no fence needed (the actor answered)
     assert actor.calls == ["load_now", "load_now"]
-    assert worker.take_round_trips() == {"stuck": 1, "fine": 2}
+    assert worker.take_ended_loads().round_trips == {"stuck": 1, "fine": 2}
     assert counters.loads_past_bound == 1
     # The holder wakes: nothing lands in the failed request's blocks.
     loop.run(_set(transport.go_on), 5)
@@ -188,7 +188,7 @@ def test_a_lease_free_load_never_goes_to_the_actor(loop):
     worker.start_load_kv(step)
     assert worker.get_block_ids_with_load_errors() == {10, 11}
     assert actor.calls == ["load_now"]  # the leased one only
-    assert worker.take_round_trips() == {"free": 0, "leased": 2}
+    assert worker.take_ended_loads().round_trips == {"free": 0, "leased": 2}
     # and the actor refuses one outright, should it ever be handed one
     with pytest.raises(ValueError, match="lease-free"):
         loop.run(runner.start(request(unpinned, [12, 13], "load-direct")), 5)

@@ -9,7 +9,7 @@ face of three parts that need no xoscar: ``staging.py`` (snapshot computed block
 - the worker half of the connector: ``map_engine_caches``, ``stage``,
   ``run_load`` (asynchronous loads), ``load_now`` / ``fence_load`` (bounded
   synchronous ones), ``start_load`` / ``wait_load`` / ``cancel_load``, and
-  ``record_connector_fault``;
+  ``record_connector_fault`` and ``record_direct_reads``;
 - the scheduler half: ``reserve`` / ``release`` on the holder, after asking the
   tracker who holds a prefix;
 - peer transfer actors: ``transport_call`` (whatever the device-tier transport
@@ -481,6 +481,11 @@ class XavierTransferActor(xo.StatelessActor):
         (logged there, with its traceback); the count feeds the metrics."""
         self._counters.connector_faults += 1
         logger.debug("rank %d: connector fault in %s", self._config.rank, where)
+
+    async def record_direct_reads(self, reads: int, stale: int) -> None:
+        """The totals of the lease-free loads this rank's engine process READ
+        itself (``connector/direct_read_counts.py``); they feed the metrics."""
+        self._counters.record_direct_reads(reads, stale)
 
     async def stats(self) -> XavierStats:
         """Everything this replica's Xavier side counts (``stats.XavierStats``)."""

@@ -17,11 +17,13 @@ a synchronous hit whose locations the holder published needs no reservation
 either, and the worker READs it from its own agent (``lease_free.py``,
 ``direct_reads.py``): no actor round trip on its path.
 
-The synchronous path is opt-in: ``XAVIER_FAST_PATH=1`` in the engine's environment
-turns it on (benchmarks compare both in one run). It stays off by default until it
-has run on a GPU host: on the busy 2-core CPU machine a load's Python alone can
-take more than the default bound, and a hit that misses its bound is recomputed, so
-on such a host it costs a recomputation instead of saving passes.
+The synchronous path is opt-in: the launch option ``xavier_fast_path`` turns it on
+or off (``XavierConfig.fast_path``); left unset, ``XAVIER_FAST_PATH=1`` in the
+engine's environment turns it on (benchmarks compare both in one run). It stays
+off by default until it has run on a GPU host: on the busy 2-core CPU machine a
+load's Python alone can take more than the default bound, and a hit that misses
+its bound is recomputed, so on such a host it costs a recomputation instead of
+saving passes.
 ``XAVIER_FAST_PATH_BASE_MS`` sets the fixed part of the bound (default 2 ms; a host
 whose Python is slow needs more), within the 10 ms cap.
 """
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from ..config import XavierReplicaSettings
 from ..wire import DEVICE_TIER
 
 FAST_PATH_ENV = "XAVIER_FAST_PATH"
@@ -42,8 +45,11 @@ DEFAULT_BASE_S = 0.002  # fixed cost of a bounded load: one call, one fence
 MAX_BOUND_S = 0.010  # no synchronous wait is longer than this
 
 
-def fast_path_enabled() -> bool:
-    """Whether this process's environment turns the synchronous path on."""
+def fast_path_enabled(explicit: bool | None = None) -> bool:
+    """Whether the synchronous path is on: the launch option when it was given
+    (``explicit``), else this process's environment."""
+    if explicit is not None:
+        return explicit
     return os.environ.get(FAST_PATH_ENV, "0").strip().lower() in ("1", "true", "on")
 
 
@@ -119,3 +125,25 @@ class SyncLoadPolicy:
     def missed(self, holder_address: str) -> None:
         """A synchronous load from ``holder_address`` failed or ran past its bound."""
         self._backed_off[holder_address] = time.monotonic() + self.backoff_s
+
+
+def sync_load_policy(options: XavierReplicaSettings) -> SyncLoadPolicy:
+    """The scheduler half's policy for a replica launched with ``options``."""
+    return SyncLoadPolicy(
+        # the bound is per load; a tensor-parallel one is N loads
+        enabled=fast_path_enabled(options.config.fast_path)
+        and options.tensor_parallel_size == 1,
+        host=address_host(options.transfer_address),
+        base_s=fast_path_base_s(),
+        lease_free=options.config.transport == "nixl",
+    )
+
+
+def direct_reads_wanted(options: XavierReplicaSettings) -> bool:
+    """Whether the worker half READs lease-free hits itself: the fast path on,
+    GPU-first (a device tier to read from) and NIXL between the actors."""
+    return (
+        options.config.gpu_first
+        and fast_path_enabled(options.config.fast_path)
+        and options.config.transport == "nixl"
+    )

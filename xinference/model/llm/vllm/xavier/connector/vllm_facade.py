@@ -48,14 +48,10 @@ from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
+from .direct_read_counts import DirectReadCounts
 from .direct_reads import direct_reads_factory
 from .engine_time import EngineTime, timed
-from .fast_path import (
-    SyncLoadPolicy,
-    address_host,
-    fast_path_base_s,
-    fast_path_enabled,
-)
+from .fast_path import direct_reads_wanted, sync_load_policy
 from .faults import ConnectorFaults
 from .ranks import (
     merge_round_trips,
@@ -66,6 +62,7 @@ from .ranks import (
 from .scheduler import SchedulerSettings, SchedulerSide
 from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
+    FinishedParams,
     check_supported,
     cross_layer_views,
     on_cpu,
@@ -116,15 +113,18 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 class XavierWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: the replica identity, once the caches are mapped, and
-    the actor round trips of the loads that ended (req_id -> count)."""
+    of the loads that ended, the actor round trips (req_id -> count) and their
+    own time (req_id -> seconds)."""
 
     def __init__(
         self,
         identity: ReplicaIdentity | None,
         round_trips: dict[str, int] | None = None,
+        load_seconds: dict[str, float] | None = None,
     ) -> None:
         self.identity = identity
         self.round_trips = round_trips or {}
+        self.load_seconds = load_seconds or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: the identity any rank reported (every rank's
@@ -134,6 +134,7 @@ class XavierWorkerMetadata(KVConnectorWorkerMetadata):
         return XavierWorkerMetadata(
             self.identity or other.identity,
             merge_round_trips(self.round_trips, other.round_trips),
+            merge_round_trips(self.load_seconds, other.load_seconds),
         )
 
 
@@ -181,9 +182,11 @@ class XavierConnector(KVConnectorBase_V1):
         self._mirror: TrackerMirror | None = None
         self._mirror_run: concurrent.futures.Future[None] | None = None
         self._worker: WorkerSide | None = None
+        self._direct_counts: DirectReadCounts | None = None  # the worker's
         # Loads whose fallback failed too (update_state_after_alloc): the next
         # step reports their blocks as failed all the same (see _last_resort).
         self._unreported_failures: list[RequestLoad] = []
+        self._finished_params = FinishedParams()
         if role == KVConnectorRole.SCHEDULER:
             settings = SchedulerSettings(
                 rank=options.rank,
@@ -192,13 +195,7 @@ class XavierConnector(KVConnectorBase_V1):
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,
                 remote_loads=options.config.remote_loads,
-                sync_loads=SyncLoadPolicy(
-                    # the bound is per load; a tensor-parallel one is N loads
-                    enabled=fast_path_enabled() and options.tensor_parallel_size == 1,
-                    host=address_host(options.transfer_address),
-                    base_s=fast_path_base_s(),
-                    lease_free=options.config.transport == "nixl",
-                ),
+                sync_loads=sync_load_policy(options),
             )
             mirror = TrackerMirror(
                 self._mirror_changes, rpc_timeout_s=options.rpc_timeout_s
@@ -224,9 +221,7 @@ class XavierConnector(KVConnectorBase_V1):
                 layout_hint=PACKED_KV_LAYOUT if on_cpu(vllm_config) else None,
             )
             direct_reads = direct_reads_factory(
-                enabled=load_async
-                and fast_path_enabled()
-                and options.config.transport == "nixl",
+                enabled=direct_reads_wanted(options),
                 loop=self._loop,
                 num_blocks=kv_cache_config.num_blocks,
                 layout_hint=worker_settings.layout_hint,
@@ -234,8 +229,14 @@ class XavierConnector(KVConnectorBase_V1):
                 holder_calls=self._holder_transport_call,
                 rpc_timeout_s=options.rpc_timeout_s,
             )
+            self._direct_counts = DirectReadCounts(
+                self._loop, self._transfer_actor, options.rpc_timeout_s
+            )
             self._worker = WorkerSide(
-                worker_settings, self._loop, self._transfer_actor, direct_reads
+                worker_settings,
+                self._loop,
+                self._transfer_actor,
+                self._direct_counts.watch(direct_reads),
             )
 
     @property
@@ -430,10 +431,12 @@ class XavierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         try:
             meta = connector_output.kv_connector_worker_meta
-            if isinstance(meta, XavierWorkerMetadata):
-                if meta.identity is not None:
-                    self._scheduler.set_identity(meta.identity)
-                self._scheduler.record_load_round_trips(meta.round_trips)
+            if not isinstance(meta, XavierWorkerMetadata):
+                meta = XavierWorkerMetadata(None)
+            if meta.identity is not None:
+                self._scheduler.set_identity(meta.identity)
+            self._scheduler.record_load_round_trips(meta.round_trips, meta.load_seconds)
+            self._finished_params.complete(meta.round_trips, meta.load_seconds)
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
@@ -444,7 +447,8 @@ class XavierConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         try:
-            return False, self._scheduler.request_finished(request.request_id)
+            params = self._scheduler.request_finished(request.request_id)
+            return False, self._finished_params.finished(request.request_id, params)
         except Exception as exc:
             self._faults.record("request_finished", exc)
             return False, None
@@ -493,6 +497,8 @@ class XavierConnector(KVConnectorBase_V1):
         step = self._step()
         try:
             self._worker.start_load_kv(step)
+            if self._direct_counts is not None:  # to the metrics, not waited for
+                self._direct_counts.report()
         except Exception as exc:
             self._faults.record("start_load_kv", exc)
             if not self._faults.attempt(
@@ -554,10 +560,10 @@ class XavierConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         identity = self._worker.take_identity_report()
-        round_trips = self._worker.take_round_trips()
-        if identity is None and not round_trips:
+        ended = self._worker.take_ended_loads()
+        if identity is None and not ended.round_trips:
             return None
-        return XavierWorkerMetadata(identity, round_trips)
+        return XavierWorkerMetadata(identity, ended.round_trips, ended.seconds)
 
     def shutdown(self) -> None:
         self._engine_time.log()

@@ -40,7 +40,7 @@ from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
 from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
-from .load_completions import InFlightLoad, PostedLoads, cancel_quietly
+from .load_completions import EndedLoads, InFlightLoad, PostedLoads, cancel_quietly
 from .staging_ring import RingStaging, StagingRing
 from .step import RequestLoad, StepMetadata
 
@@ -110,8 +110,8 @@ class WorkerSide:
         # requests whose load ended (or never started) but are not yet reported
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        # req_id -> round trips of its ended load, until the scheduler half is told
-        self._round_trips: dict[str, int] = {}
+        # round trips and own time of the ended loads, until the scheduler is told
+        self._ended = EndedLoads()
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
@@ -375,9 +375,14 @@ class WorkerSide:
     async def _cancel_quietly(self, load_id: str) -> None:
         await cancel_quietly(self._actor, load_id, self._settings.rpc_timeout_s)
 
-    def _load_ended(self, load_id: str, outcome: str | LoadResult | None) -> None:
+    def _load_ended(
+        self,
+        load_id: str,
+        outcome: str | LoadResult | None,
+        ended_s: float | None = None,
+    ) -> None:
         """Record the end of a load: ``outcome`` is its result, or the error that
-        ended it here (None: it succeeded)."""
+        ended it here (None: it succeeded); ``ended_s`` when it ended (None: now)."""
         load = self._in_flight.pop(load_id, None)
         if load is None:
             return
@@ -385,7 +390,7 @@ class WorkerSide:
         if isinstance(outcome, LoadResult):
             error = None if outcome.ok else outcome.error
             load.round_trips += outcome.round_trips
-        self._round_trips[load.req_id] = load.round_trips
+        self._ended.record(load, ended_s)
         if error is not None:
             logger.warning(
                 "Xavier: load %s of request %s failed, recomputing %d blocks: %s",
@@ -438,15 +443,14 @@ class WorkerSide:
         for done in self._posted.drain():
             if done.load_id in self._in_flight:
                 self._in_flight[done.load_id].round_trips = done.round_trips
-            self._load_ended(done.load_id, done.outcome)
+            self._load_ended(done.load_id, done.outcome, done.ended_s)
         if self._actor is not None:
             self._posted.cancel_aborted(self._actor, self._in_flight, finished_req_ids)
 
-    def take_round_trips(self) -> dict[str, int]:
-        """Per request whose load ended since the last call: the actor round trips
-        on its critical path (counted, for benchmarks and logs)."""
-        counts, self._round_trips = self._round_trips, {}
-        return counts
+    def take_ended_loads(self) -> EndedLoads:
+        """Per request whose load ended since the last call: the actor round
+        trips on its critical path and the load's own time (counted)."""
+        return self._ended.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
