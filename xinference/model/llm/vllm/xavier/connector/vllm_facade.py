@@ -64,6 +64,7 @@ from .ranks import (
     step_for_rank,
 )
 from .scheduler import SchedulerSettings, SchedulerSide
+from .stale_loads import StaleLoad, merge_stale_loads
 from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
     check_supported,
@@ -115,16 +116,19 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 
 class XavierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the replica identity, once the caches are mapped, and
-    the actor round trips of the loads that ended (req_id -> count)."""
+    """Worker -> scheduler: the replica identity, once the caches are mapped, the
+    actor round trips of the loads that ended (req_id -> count), and the
+    lease-free loads that found stale locations (req_id -> ``StaleLoad``)."""
 
     def __init__(
         self,
         identity: ReplicaIdentity | None,
         round_trips: dict[str, int] | None = None,
+        stale_loads: dict[str, StaleLoad] | None = None,
     ) -> None:
         self.identity = identity
         self.round_trips = round_trips or {}
+        self.stale_loads = stale_loads or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: the identity any rank reported (every rank's
@@ -134,6 +138,7 @@ class XavierWorkerMetadata(KVConnectorWorkerMetadata):
         return XavierWorkerMetadata(
             self.identity or other.identity,
             merge_round_trips(self.round_trips, other.round_trips),
+            merge_stale_loads(self.stale_loads, other.stale_loads),
         )
 
 
@@ -434,6 +439,8 @@ class XavierConnector(KVConnectorBase_V1):
                 if meta.identity is not None:
                     self._scheduler.set_identity(meta.identity)
                 self._scheduler.record_load_round_trips(meta.round_trips)
+                # before the failed blocks: a stale load's holder is not at fault
+                self._scheduler.loads_stale(meta.stale_loads)
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
@@ -544,9 +551,10 @@ class XavierConnector(KVConnectorBase_V1):
             return None
         identity = self._worker.take_identity_report()
         round_trips = self._worker.take_round_trips()
-        if identity is None and not round_trips:
+        stale_loads = self._worker.take_stale_loads()
+        if identity is None and not round_trips and not stale_loads:
             return None
-        return XavierWorkerMetadata(identity, round_trips)
+        return XavierWorkerMetadata(identity, round_trips, stale_loads)
 
     def shutdown(self) -> None:
         self._engine_time.log()

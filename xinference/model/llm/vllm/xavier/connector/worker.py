@@ -41,6 +41,7 @@ from ..engine.layout import detect_layout
 from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import InFlightLoad, PostedLoads, cancel_quietly
+from .stale_loads import StaleLoad
 from .staging_ring import RingStaging, StagingRing
 from .step import RequestLoad, StepMetadata
 
@@ -112,6 +113,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         # req_id -> round trips of its ended load, until the scheduler half is told
         self._round_trips: dict[str, int] = {}
+        # req_id -> its lease-free load's stale blocks, until the scheduler is told
+        self._stale_loads: dict[str, StaleLoad] = {}
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
@@ -375,26 +378,32 @@ class WorkerSide:
     async def _cancel_quietly(self, load_id: str) -> None:
         await cancel_quietly(self._actor, load_id, self._settings.rpc_timeout_s)
 
-    def _load_ended(self, load_id: str, outcome: str | LoadResult | None) -> None:
-        """Record the end of a load: ``outcome`` is its result, or the error that
-        ended it here (None: it succeeded)."""
+    def _load_ended(
+        self, load_id: str, outcome: str | LoadResult | StaleLoad | None
+    ) -> None:
+        """Record the end of a load: ``outcome`` is its result, its stale blocks
+        (only those and the blocks after them fail), or the error that ended it
+        here (None: it succeeded)."""
         load = self._in_flight.pop(load_id, None)
         if load is None:
             return
-        error = outcome
+        error, failed = outcome, load.dst_block_ids
         if isinstance(outcome, LoadResult):
             error = None if outcome.ok else outcome.error
             load.round_trips += outcome.round_trips
+        elif isinstance(outcome, StaleLoad):
+            error, failed = outcome.describe(), outcome.failed_blocks(failed)
+            self._stale_loads[load.req_id] = outcome
         self._round_trips[load.req_id] = load.round_trips
         if error is not None:
             logger.warning(
                 "Xavier: load %s of request %s failed, recomputing %d blocks: %s",
                 load_id,
                 load.req_id,
-                len(load.dst_block_ids),
+                len(failed),
                 error,
             )
-            self._load_errors.update(load.dst_block_ids)
+            self._load_errors.update(failed)
         if not load.synchronous:
             self._finished_recving.add(load.req_id)
 
@@ -447,6 +456,12 @@ class WorkerSide:
         on its critical path (counted, for benchmarks and logs)."""
         counts, self._round_trips = self._round_trips, {}
         return counts
+
+    def take_stale_loads(self) -> dict[str, StaleLoad]:
+        """Per request whose lease-free load found stale locations since the
+        last call: what the scheduler half must forget (``stale_loads.py``)."""
+        stale, self._stale_loads = self._stale_loads, {}
+        return stale
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
