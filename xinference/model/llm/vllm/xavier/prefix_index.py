@@ -89,10 +89,22 @@ class PrefixIndex:
         held = self._blocks_of.get(rank)
         if held is None:
             return
+        # _packed_location inlined, names local: the tracker runs this for
+        # every located key of the fleet
+        version_mask, row_mask, top = _VERSION_MASK, _ROW_MASK, _MAX_GENERATION
+        row_shift, generation_shift = _VERSION_BITS, _GENERATION_SHIFT
         for key, row, generation in locations:
             entry = held.get(key)
-            if entry is not None:
-                held[key] = (entry & _VERSION_MASK) | _packed_location(row, generation)
+            if entry is None:
+                continue
+            if 0 < generation < top and 0 <= row <= row_mask:
+                held[key] = (
+                    (entry & version_mask)
+                    | (row << row_shift)
+                    | (generation << generation_shift)
+                )
+            else:
+                held[key] = entry & version_mask
 
     def forget_locations(self, rank: int, locations: Iterable[Location]) -> None:
         """Drop these locations of ``rank``'s keys where they are still the
