@@ -20,9 +20,10 @@ from .hashing import BlockHash
 
 # An entry is one int: the version the key was registered at in its low
 # _VERSION_BITS, and above them, when its holder published a location, the row
-# (_ROW_BITS) and then the generation. A tuple (version, row, generation) per
-# entry cost about 120 bytes of every located block; one int of 176 bits is 48
-# bytes where the version alone is 28-32 (issue 33 counted every byte per block).
+# (_ROW_BITS) and then the generation: one int of up to 176 bits, 48 bytes where
+# the version alone is 28-32. A dict of (row, generation) tuples beside the
+# index, as the mirror kept them before, cost about 160 bytes more per located
+# block (benchmark/location_costs.py; issue 33 counted every byte per block).
 _VERSION_BITS = 64
 _ROW_BITS = 48
 _VERSION_MASK = (1 << _VERSION_BITS) - 1

@@ -417,9 +417,10 @@ class SchedulerSide:
 
     def loads_failed(self, block_ids: set[int]) -> None:
         """The worker reported ``block_ids`` as not loaded (vLLM recomputes them):
-        a request whose load wrote any of them got from its peer only the blocks
-        before the first failed one (none but after a stale load), and computes
-        the rest itself, so those blocks are staged again as they fill.
+        a request whose load wrote any of them got from its peer none of its
+        blocks (after a stale load: those before the first stale one), and
+        computes the rest itself from the first failed one on, so those blocks
+        are staged again as they fill.
         """
         if not block_ids:
             return
@@ -436,7 +437,9 @@ class SchedulerSide:
                 continue
             if state.loaded_into:
                 self.stats["loads_failed"] += 1
-                state.loaded_into = state.loaded_into[: failed_at - state.load_first]
+                # a stale load's blocks before the first stale one were verified
+                kept = failed_at - state.load_first if state.load_stale else 0
+                state.loaded_into = state.loaded_into[:kept]
                 policy = self._settings.sync_loads
                 if (
                     state.answered_bound_s is not None
