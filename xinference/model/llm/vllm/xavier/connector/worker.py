@@ -41,8 +41,8 @@ from ..engine.layout import detect_layout
 from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import InFlightLoad, PostedLoads, cancel_quietly
-from .stale_loads import StaleLoad
 from .staging_ring import RingStaging, StagingRing
+from .stale_loads import StaleLoad
 from .step import RequestLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
