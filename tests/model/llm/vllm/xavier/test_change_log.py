@@ -223,3 +223,34 @@ def test_locate_records_round_trip_and_count_their_keys():
     log.append(1, encode(IndexChange.LOCATE, 5, pack_locations(located)))
     log.append(2, encode(IndexChange.ADD, 5, b"".join(keys[:1])))
     assert not log.reaches(0)  # 4 keys logged: the LOCATE record (3) fell out
+
+
+def test_a_location_shares_its_entry_with_the_version_and_never_outlives_the_key():
+    """Locations live in the index's entries (one int each): they must not
+    change what an entry's version makes visible, must not exist for a key its
+    rank does not hold, and anything no store publishes reads as no location."""
+    index = PrefixIndex()
+    index.add(1, KEYS[:3], version=2**40 + 5)
+    generation = 2**62 + 2  # clock-based generations are this large
+    index.locate(1, [(KEYS[0], 2**47, generation), (KEYS[1], 7, 8), (KEYS[5], 1, 2)])
+    assert index.locations(1, KEYS[:2]) == [(2**47, generation), (7, 8)]
+    assert index.locations(1, KEYS[:3]) is None  # KEYS[2] has none
+    assert index.locations(1, KEYS[5:6]) is None  # not held: not kept
+    assert index.longest_prefix(0, KEYS, visible_upto=2**40 + 4) is None
+    assert index.longest_prefix(0, KEYS, visible_upto=2**40 + 5) == (1, 3)
+    assert index.located_by_rank() == {
+        1: [(KEYS[0], 2**47, generation), (KEYS[1], 7, 8)]
+    }
+    index.locate(1, [(KEYS[0], -1, 4), (KEYS[1], 2**48, 8), (KEYS[2], 3, 0)])
+    assert index.located_by_rank() == {}
+    index.locate(1, [(KEYS[0], 3, 4)])
+    index.add(1, KEYS[:1], version=9)  # registered again: a new slot to come
+    assert index.locations(1, KEYS[:1]) is None
+    index.locate(1, [(KEYS[0], 3, 4)])
+    index.remove(1, KEYS[:1])
+    index.add(1, KEYS[:1], version=10)
+    assert index.locations(1, KEYS[:1]) is None
+    index.locate(1, [(KEYS[1], 5, 6)])
+    index.forget(1)
+    index.add(1, KEYS[:3], version=11)
+    assert index.located_by_rank() == {}

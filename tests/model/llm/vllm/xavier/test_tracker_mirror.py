@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from xinference.model.llm.vllm.xavier import tracker as tracker_module
-from xinference.model.llm.vllm.xavier.change_log import all_changes
+from xinference.model.llm.vllm.xavier.change_log import Location, all_changes
 from xinference.model.llm.vllm.xavier.hashing import BlockHash, hash_full_blocks
 from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
 from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
@@ -297,11 +298,118 @@ async def test_a_mirror_learns_where_device_tier_keys_are():
     tracker.forget_replica(1)
     await sync()
     assert mirror.locate(1, KEYS[2:3]) is None
-    # a mirror that starts from a snapshot has no locations (the tracker keeps none)
+    # a mirror that starts from a snapshot has the locations at once (the
+    # tracker keeps each key's latest): its hits need no lease
     tracker.update_blocks(2, b"", pack_keys(KEYS[:1]), pack_locations(located[:1]))
     fresh = TrackerMirror(
         lambda since, wait: tracker.mirror_changes(0, since, wait), rpc_timeout_s=1
     )
     fresh.apply(await poll(tracker, 0, -1))
     assert fresh.query(0, KEYS[:1]) == PrefixHit(2, "nixl://c", 1)
-    assert fresh.locate(2, KEYS[:1]) is None
+    assert fresh.locate(2, KEYS[:1]) == [(0, 2)]
+
+
+def located_keys(keys: Sequence[BlockHash], first_row: int) -> list[Location]:
+    return [(k, first_row + 2 * i, 1000 + 2 * i) for i, k in enumerate(keys)]
+
+
+def every_location(mirror: TrackerMirror) -> dict[tuple[int, BlockHash], Any]:
+    """What ``locate`` answers for each (rank, key) of the test's keys."""
+    return {
+        (rank, key): mirror.locate(rank, [key])
+        for rank in range(3)
+        for key in (*KEYS, *OTHER)
+    }
+
+
+async def test_a_mirror_from_a_snapshot_locates_what_a_following_mirror_does(
+    monkeypatch,
+):
+    """Every (replica, key)'s latest location survives into snapshots: a mirror
+    that starts now, or one too far behind the change log, locates exactly what
+    a mirror that followed every change does; a demotion, a drop, a replica
+    forgotten or registered again takes locations away everywhere."""
+    from xinference.model.llm.vllm.xavier.change_log import pack_keys, pack_locations
+
+    monkeypatch.setattr(tracker_module, "CHANGE_LOG_KEYS", 6)
+    tracker = fresh_tracker()
+
+    def new_mirror() -> TrackerMirror:
+        return TrackerMirror(
+            lambda since, wait: tracker.mirror_changes(0, since, wait),
+            rpc_timeout_s=1,
+        )
+
+    follower, behind = new_mirror(), new_mirror()
+    for mirror in (follower, behind):
+        mirror.apply(await poll(tracker, 0, -1))
+
+    async def check() -> None:
+        follower.apply(await poll(tracker, 0, follower.version))
+        fresh = new_mirror()
+        fresh.apply(await poll(tracker, 0, -1))
+        assert every_location(fresh) == every_location(follower)
+
+    tracker.update_blocks(
+        1, b"", pack_keys(KEYS[:4]), pack_locations(located_keys(KEYS[:4], 10))
+    )
+    tracker.update_blocks(
+        2, b"", pack_keys(OTHER), pack_locations(located_keys(OTHER, 0))
+    )
+    await check()
+    assert follower.locate(1, KEYS[:4]) == [
+        (10, 1000),
+        (12, 1002),
+        (14, 1004),
+        (16, 1006),
+    ]
+    # a newer location replaces the old one; a demotion (generation 0) drops it
+    tracker.update_blocks(
+        1, b"", b"", pack_locations([(KEYS[0], 40, 2000), (KEYS[1], 0, 0)])
+    )
+    await check()
+    assert follower.locate(1, KEYS[:1]) == [(40, 2000)]
+    assert follower.locate(1, KEYS[1:2]) is None
+    assert follower.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)  # still held
+    tracker.update_blocks(1, pack_keys(KEYS[2:3]), b"")  # dropped
+    await check()
+    assert follower.locate(1, KEYS[2:3]) is None
+    tracker.forget_replica(2)
+    await check()
+    assert follower.locate(2, OTHER[:1]) is None
+    # registered again (a restarted replica): its old locations are not served,
+    # even for keys it registers again
+    tracker.update_blocks(1, b"", b"", pack_locations(located_keys(KEYS[3:4], 60)))
+    tracker.register_replica(1, "nixl://b2")
+    tracker.register_blocks(1, KEYS[:4])
+    await check()
+    assert follower.locate(1, KEYS[:1]) is None
+    # the mirror left behind gets the whole index, locations included
+    tracker.update_blocks(1, b"", b"", pack_locations(located_keys(KEYS[:2], 70)))
+    changes = await poll(tracker, 0, behind.version)
+    assert changes.reset
+    behind.apply(changes)
+    await check()
+    assert behind.locate(1, KEYS[:2]) == [(70, 1000), (72, 1002)]
+    assert every_location(behind) == every_location(follower)
+
+
+async def test_a_location_found_stale_is_dropped_unless_a_newer_one_came():
+    from xinference.model.llm.vllm.xavier.change_log import pack_keys, pack_locations
+
+    tracker = fresh_tracker()
+    mirror = TrackerMirror(
+        lambda since, wait: tracker.mirror_changes(0, since, wait), rpc_timeout_s=1
+    )
+    mirror.apply(await poll(tracker, 0, -1))
+    located = located_keys(KEYS[:3], 0)
+    tracker.update_blocks(1, b"", pack_keys(KEYS[:3]), pack_locations(located))
+    mirror.apply(await poll(tracker, 0, mirror.version))
+    # key 1's location was republished before the reader's report arrives
+    newer = (KEYS[1], 30, 3000)
+    tracker.update_blocks(1, b"", b"", pack_locations([newer]))
+    mirror.apply(await poll(tracker, 0, mirror.version))
+    mirror.forget_locations(1, [located[0], located[1]])
+    assert mirror.locate(1, KEYS[:1]) is None
+    assert mirror.locate(1, KEYS[1:3]) == [(30, 3000), (4, 1004)]
+    assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 3)  # still held

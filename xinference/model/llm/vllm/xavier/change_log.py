@@ -28,8 +28,9 @@ from .wire import IndexChange, TrackerChanges
 
 KEY_BYTES = 16  # a BlockHash
 _HEADER = struct.Struct("<BiI")
-_LOCATION = struct.Struct("<qq")  # device-tier row, generation (0: not there)
-LOCATION_BYTES = KEY_BYTES + _LOCATION.size
+# key, device-tier row, generation (0: not there)
+_LOCATION_ENTRY = struct.Struct(f"<{KEY_BYTES}sqq")
+LOCATION_BYTES = _LOCATION_ENTRY.size
 _OPS = (IndexChange.ADD, IndexChange.REMOVE, IndexChange.FORGET, IndexChange.LOCATE)
 _ENTRY_BYTES = (KEY_BYTES, KEY_BYTES, KEY_BYTES, LOCATION_BYTES)
 _OP_CODES = {op: code for code, op in enumerate(_OPS)}
@@ -66,18 +67,15 @@ def pack_locations(locations: Sequence[Location]) -> bytes:
     for key, row, generation in locations:
         if len(key) != KEY_BYTES:
             raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        parts.append(key + _LOCATION.pack(row, generation))
+        parts.append(_LOCATION_ENTRY.pack(key, row, generation))
     return b"".join(parts)
 
 
 def unpack_locations(packed: bytes) -> list[Location]:
     if len(packed) % LOCATION_BYTES:
         raise ValueError(f"packed locations of {len(packed)} bytes: not whole")
-    out = []
-    for i in range(0, len(packed), LOCATION_BYTES):
-        row, generation = _LOCATION.unpack_from(packed, i + KEY_BYTES)
-        out.append((packed[i : i + KEY_BYTES], row, generation))
-    return out
+    # one C-level pass: the tracker unpacks every LOCATE record it logs
+    return list(_LOCATION_ENTRY.iter_unpack(packed))
 
 
 def encode(op: str, rank: int, packed_keys: bytes = b"") -> bytes:
@@ -124,11 +122,20 @@ def all_changes(changes: TrackerChanges) -> tuple[IndexChange, ...]:
     return changes.changes + decode_changes(changes.packed)
 
 
-def encode_snapshot(blocks_by_rank: Iterable[tuple[int, Iterable[BlockHash]]]) -> bytes:
-    """A whole index as ADD records, one per rank."""
-    return b"".join(
+def encode_snapshot(
+    blocks_by_rank: Iterable[tuple[int, Iterable[BlockHash]]],
+    located_by_rank: Iterable[tuple[int, Sequence[Location]]] = (),
+) -> bytes:
+    """A whole index as ADD records, one per rank, then LOCATE records of the
+    keys with a location (a mirror starting from it can read lease-free at once)."""
+    added = [
         encode(IndexChange.ADD, rank, b"".join(keys)) for rank, keys in blocks_by_rank
-    )
+    ]
+    located = [
+        encode(IndexChange.LOCATE, rank, pack_locations(locations))
+        for rank, locations in located_by_rank
+    ]
+    return b"".join(added + located)
 
 
 class ChangeLog:

@@ -5,14 +5,39 @@ scheduler keeps a mirror of it (``tracker_mirror.py``) so that a prompt nobody e
 holds costs no round trip. Both are this class: one structure, one prefix rule.
 
 Every entry carries the tracker version at which it was registered, so the tracker
-can answer "what has replica r's mirror seen" (``visible_upto``).
+can answer "what has replica r's mirror seen" (``visible_upto``), and, for a key in
+its holder's device tier, where it is there (row and generation, ``locate``): what a
+lease-free reader needs. The tracker keeps them too, so that a mirror starting from
+a snapshot can read lease-free at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from .change_log import Location
 from .hashing import BlockHash
+
+# An entry is one int: the version the key was registered at in its low
+# _VERSION_BITS, and above them, when its holder published a location, the row
+# (_ROW_BITS) and then the generation: one int of up to 176 bits, 48 bytes where
+# the version alone is 28-32. A dict of (row, generation) tuples beside the
+# index, as the mirror kept them before, cost about 160 bytes more per located
+# block (benchmark/location_costs.py; issue 33 counted every byte per block).
+_VERSION_BITS = 64
+_ROW_BITS = 48
+_VERSION_MASK = (1 << _VERSION_BITS) - 1
+_ROW_MASK = (1 << _ROW_BITS) - 1
+_GENERATION_SHIFT = _VERSION_BITS + _ROW_BITS
+_MAX_GENERATION = 1 << 63  # an int64 on the wire
+
+
+def _packed_location(row: int, generation: int) -> int:
+    """A location's bits above the version; 0 for "none" (generation 0, or
+    values no store publishes: a reader must not trust them)."""
+    if not (0 < generation < _MAX_GENERATION and 0 <= row <= _ROW_MASK):
+        return 0
+    return (row << _VERSION_BITS) | (generation << _GENERATION_SHIFT)
 
 
 class PrefixIndex:
@@ -27,10 +52,15 @@ class PrefixIndex:
     def __init__(self) -> None:
         # key -> bit mask of the ranks holding it
         self._holders: dict[BlockHash, int] = {}
-        # rank -> {key: version it was registered at}
+        # rank -> {key: version it was registered at, and its location (see
+        # _VERSION_BITS)}
         self._blocks_of: dict[int, dict[BlockHash, int]] = {}
 
     def add(self, rank: int, keys: Iterable[BlockHash], version: int = 0) -> None:
+        """``rank`` holds ``keys`` from ``version`` on, with no location (a key
+        registered again lost whatever slot it had: its holder locates it anew)."""
+        if not 0 <= version <= _VERSION_MASK:
+            raise ValueError(f"version {version} out of range")
         if rank < 0:
             raise ValueError(f"a holder's rank must be >= 0, got {rank}")
         held = self._blocks_of.setdefault(rank, {})
@@ -52,6 +82,71 @@ class PrefixIndex:
         """Drop everything ``rank`` holds, and the rank itself."""
         for key in self._blocks_of.pop(rank, ()):
             self._drop_holder(key, rank)
+
+    def locate(self, rank: int, locations: Iterable[Location]) -> None:
+        """Where ``rank``'s keys now are in its device tier; generation 0: the
+        key left it. Keys ``rank`` does not hold are ignored: a location is
+        dropped with its key, never kept without one."""
+        held = self._blocks_of.get(rank)
+        if held is None:
+            return
+        # _packed_location inlined, names local: the tracker runs this for
+        # every located key of the fleet
+        version_mask, row_mask, top = _VERSION_MASK, _ROW_MASK, _MAX_GENERATION
+        row_shift, generation_shift = _VERSION_BITS, _GENERATION_SHIFT
+        for key, row, generation in locations:
+            entry = held.get(key)
+            if entry is None:
+                continue
+            if 0 < generation < top and 0 <= row <= row_mask:
+                held[key] = (
+                    (entry & version_mask)
+                    | (row << row_shift)
+                    | (generation << generation_shift)
+                )
+            else:
+                held[key] = entry & version_mask
+
+    def forget_locations(self, rank: int, locations: Iterable[Location]) -> None:
+        """Drop these locations of ``rank``'s keys where they are still the
+        ones held (a newer location, published meanwhile, stays)."""
+        held = self._blocks_of.get(rank)
+        if held is None:
+            return
+        for key, row, generation in locations:
+            entry = held.get(key)
+            packed = _packed_location(row, generation)
+            if entry is not None and packed and entry & ~_VERSION_MASK == packed:
+                held[key] = entry & _VERSION_MASK
+
+    def locations(
+        self, rank: int, keys: Sequence[BlockHash]
+    ) -> list[tuple[int, int]] | None:
+        """``(row, generation)`` of each of ``keys`` held by ``rank``, or None
+        unless every one has a location."""
+        held = self._blocks_of.get(rank)
+        if held is None:
+            return None
+        out = []
+        for key in keys:
+            entry = held.get(key, 0) >> _VERSION_BITS
+            if not entry:
+                return None
+            out.append((entry & _ROW_MASK, entry >> _ROW_BITS))
+        return out
+
+    def located_by_rank(self) -> dict[int, list[Location]]:
+        """Every location held, per rank (what a snapshot carries)."""
+        out: dict[int, list[Location]] = {}
+        for rank, held in self._blocks_of.items():
+            located = [
+                (key, (entry >> _VERSION_BITS) & _ROW_MASK, entry >> _GENERATION_SHIFT)
+                for key, entry in held.items()
+                if entry > _VERSION_MASK
+            ]
+            if located:
+                out[rank] = located
+        return out
 
     def clear(self) -> None:
         self._holders.clear()
@@ -100,7 +195,7 @@ class PrefixIndex:
             lowest = remaining & -remaining
             remaining ^= lowest
             holder = lowest.bit_length() - 1
-            if self._blocks_of[holder][key] > visible_upto:
+            if self._blocks_of[holder][key] & _VERSION_MASK > visible_upto:
                 holders ^= lowest
         return holders
 

@@ -20,7 +20,15 @@ from collections.abc import Sequence
 
 import xoscar as xo
 
-from .change_log import ChangeLog, Keys, encode, encode_snapshot, pack_keys, unpack_keys
+from .change_log import (
+    ChangeLog,
+    Keys,
+    encode,
+    encode_snapshot,
+    pack_keys,
+    unpack_keys,
+    unpack_locations,
+)
 from .hashing import BlockHash
 from .prefix_index import PrefixIndex
 from .wire import IndexChange, PrefixHit, TrackerChanges
@@ -103,9 +111,9 @@ class BlockTrackerActor(xo.StatelessActor):
         """A replica's net update in one call, drops first (what ``TrackerUpdates``
         sends): at fleet scale the tracker's cost is mostly per call, not per key.
         ``located`` (``change_log.pack_locations``): where its device-tier keys
-        are, passed on to the mirrors as received, for lease-free reads. The
-        tracker keeps no locations: a mirror that starts from a snapshot has none
-        until they are published again (its hits then take a lease)."""
+        are, passed on to the mirrors as received, for lease-free reads, and
+        kept with the keys (each key's latest; a drop of the key or of the
+        replica forgets it), so that snapshots carry them too."""
         if len(dropped):
             self.unregister_blocks(rank, dropped)
         if len(added):
@@ -195,11 +203,12 @@ class BlockTrackerActor(xo.StatelessActor):
             self._answered[rank] = time.monotonic()
 
     def _snapshot(self) -> TrackerChanges:
-        """The whole index, encoded once per version: mirrors starting together
-        (a deployment coming up) share it."""
+        """The whole index, locations included, encoded once per version:
+        mirrors starting together (a deployment coming up) share it."""
         if self._snapshot_of[0] != self._version:
             blocks = self._index.blocks_by_rank().items()
-            self._snapshot_of = (self._version, encode_snapshot(blocks))
+            located = self._index.located_by_rank().items()
+            self._snapshot_of = (self._version, encode_snapshot(blocks, located))
         return TrackerChanges(
             self._version, True, (), self._address_list(), self._snapshot_of[1]
         )
@@ -226,6 +235,8 @@ class BlockTrackerActor(xo.StatelessActor):
             self._index.add(rank, unpack_keys(packed_keys), self._version)
         elif op == IndexChange.REMOVE:
             self._index.remove(rank, unpack_keys(packed_keys))
+        elif op == IndexChange.LOCATE:
+            self._index.locate(rank, unpack_locations(packed_keys))
         elif op == IndexChange.FORGET:
             self._index.forget(rank)
         self._log.append(self._version, encode(op, rank, packed_keys))

@@ -13,9 +13,11 @@ Until its first answer arrives, and after a failed poll until the next one succe
 the mirror is not ``ready`` and the caller asks the tracker instead.
 
 It also keeps where each holder's device-tier keys are (row and generation, from
-``LOCATE`` records), for lease-free reads: a location may be stale too, which the
-reader finds out from the generation word it reads back after the data
-(``store/generations.py``), never from the data itself.
+``LOCATE`` records, snapshots included), for lease-free reads: a location may be
+stale too, which the reader finds out from the generation word it reads back after
+the data (``store/generations.py``), never from the data itself; a location a
+reader found stale is dropped here (``forget_locations``), so that the next hit on
+it takes a lease instead of failing again.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 from .aio import with_deadline
-from .change_log import decode, unpack_keys, unpack_locations
+from .change_log import Location, decode, unpack_keys, unpack_locations
 from .hashing import BlockHash
 from .prefix_index import PrefixIndex
 from .wire import IndexChange, PrefixHit, TrackerChanges
@@ -55,8 +57,6 @@ class TrackerMirror:
         self._lock = threading.Lock()
         self._index = PrefixIndex()
         self._addresses: dict[int, str] = {}
-        # rank -> key -> (device-tier row, generation) as last published
-        self._locations: dict[int, dict[BlockHash, tuple[int, int]]] = {}
         self._version = -1  # -1: nothing applied, the next poll asks for everything
         self._ready = False
         self._stopping = False
@@ -89,13 +89,14 @@ class TrackerMirror:
         """``(row, generation)`` of each of ``keys`` in ``rank``'s device tier as
         last published, or None unless every key has one."""
         with self._lock:
-            known = self._locations.get(rank)
-            if known is None:
-                return None
-            found = [known.get(key) for key in keys]
-        if any(location is None for location in found):
-            return None
-        return found  # type: ignore[return-value]
+            return self._index.locations(rank, keys)
+
+    def forget_locations(self, rank: int, locations: Sequence[Location]) -> None:
+        """A reader found these locations of ``rank``'s keys stale: drop them,
+        unless a newer one arrived meanwhile (the key is still held; its next
+        hit reserves, until the holder publishes where it is again)."""
+        with self._lock:
+            self._index.forget_locations(rank, locations)
 
     def stop(self) -> None:
         """``run`` returns when its current poll ends (the caller may end it at
@@ -137,41 +138,23 @@ class TrackerMirror:
         with self._lock:
             if changes.reset:
                 self._index.clear()
-                self._locations.clear()
             for change in changes.changes:
                 if change.op == IndexChange.ADD:
                     self._index.add(change.rank, change.keys)
                 elif change.op == IndexChange.REMOVE:
-                    self._remove(change.rank, change.keys)
+                    self._index.remove(change.rank, change.keys)
                 elif change.op == IndexChange.FORGET:
                     self._index.forget(change.rank)
-                    self._locations.pop(change.rank, None)
             for op, rank, packed in decode(changes.packed):
                 if op == IndexChange.ADD:
                     self._index.add(rank, unpack_keys(packed))
                 elif op == IndexChange.REMOVE:
-                    self._remove(rank, unpack_keys(packed))
+                    self._index.remove(rank, unpack_keys(packed))
                 elif op == IndexChange.LOCATE:
-                    self._locate(rank, packed)
+                    self._index.locate(rank, unpack_locations(packed))
                 else:
                     self._index.forget(rank)
-                    self._locations.pop(rank, None)
             self._addresses = dict(changes.addresses)
             self._version = changes.version
         self.polls += 1
         self._ready = True
-
-    def _remove(self, rank: int, keys: Sequence[BlockHash]) -> None:
-        self._index.remove(rank, keys)
-        known = self._locations.get(rank)
-        if known:
-            for key in keys:
-                known.pop(key, None)
-
-    def _locate(self, rank: int, packed: bytes) -> None:
-        known = self._locations.setdefault(rank, {})
-        for key, row, generation in unpack_locations(packed):
-            if generation:
-                known[key] = (row, generation)
-            else:  # it left the device tier
-                known.pop(key, None)

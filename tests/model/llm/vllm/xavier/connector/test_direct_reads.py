@@ -32,6 +32,7 @@ from xinference.model.llm.vllm.xavier.connector.direct_reads import (
     DirectReads,
 )
 from xinference.model.llm.vllm.xavier.connector.lease_free import LEASE_FREE_PREFIX
+from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
 from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
 from xinference.model.llm.vllm.xavier.stats import ActorCounters, XavierStats
@@ -162,7 +163,7 @@ async def test_a_slot_reused_after_its_location_was_published_fails_the_load(hol
         stale = lease_free_load("stale", [3], [first], [6])
         fresh = lease_free_load("fresh", [4], [other], [3])
         outcome = await asyncio.to_thread(reads.load_now, [stale, fresh], 5.0)
-        assert outcome["stale"] is not None and "changed" in outcome["stale"]
+        assert outcome["stale"] is not None and "changed" in outcome["stale"].describe()
         assert outcome["fresh"] is None and block_bytes(cache, 3) == {4}
         # what would have been reported loaded without the check
         assert block_bytes(cache, 6) == {7}
@@ -198,8 +199,35 @@ async def test_a_slot_reused_just_before_its_rows_are_read_fails_the_load(holder
     try:
         request = lease_free_load("raced", [3], [first], [6])
         outcome = await asyncio.to_thread(reads.load_now, [request], 5.0)
-        assert outcome["raced"] is not None and "changed" in outcome["raced"]
+        assert isinstance(outcome["raced"], StaleLoad)
+        assert "changed" in outcome["raced"].describe()
         assert block_bytes(cache, 6) == {7}  # what the READ brought
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+async def test_a_stale_block_in_the_middle_fails_only_from_itself_on(holder):
+    """Load [4, 3, 7] where 3's slot was reused by 7 after the loader learned
+    3's location: block 0 (key 4) is verified by its own word and stays
+    loaded; block 1 (key 3) is stale; block 2 (key 7) matched but comes after
+    the first stale block, which vLLM recomputes from. The report names only
+    the stale location, so the loader's mirror forgets just that one."""
+    ref, address = holder
+    first, other = [await ref.put(i) for i in (3, 4)]
+    cache = engine_cache()
+    loop, reads = await asyncio.to_thread(reader, address, cache)
+    try:
+        reused = await ref.put(7)  # 7 takes 3's device slot
+        assert reused[0] == first[0]
+        load = lease_free_load("mid", [4, 3, 7], [other, first, reused], [1, 2, 3])
+        outcome = await asyncio.to_thread(reads.load_now, [load], 5.0)
+        assert outcome == {
+            "mid": StaleLoad(1, HOLDER_RANK, ((key(3), *first),), num_blocks=3)
+        }
+        assert outcome["mid"].failed_blocks(load.dst_block_ids) == (2, 3)
+        assert block_bytes(cache, 1) == {4}
+        assert reads.loads == 1 and reads.stale == 1
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()
@@ -231,7 +259,8 @@ async def test_a_holder_with_its_device_tier_on_a_gpu_serves_lease_free_loads(
         stale = lease_free_load("stale", [3], [first], [6])
         fresh = lease_free_load("fresh", [4], [other], [3])
         outcome = await asyncio.to_thread(reads.load_now, [stale, fresh], 5.0)
-        assert outcome["stale"] is not None and "changed" in outcome["stale"], outcome
+        assert isinstance(outcome["stale"], StaleLoad), outcome
+        assert "changed" in outcome["stale"].describe()
         assert outcome["fresh"] is None, outcome
         assert block_bytes(cache, 3) == {4}
         assert block_bytes(cache, 6) == {7}  # the bytes the check kept out

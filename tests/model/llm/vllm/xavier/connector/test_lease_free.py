@@ -9,8 +9,10 @@ import dataclasses
 
 from xinference.model.llm.vllm.xavier.change_log import pack_keys, pack_locations
 from xinference.model.llm.vllm.xavier.connector.scheduler import ScheduledRequest
+from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
+from xinference.model.llm.vllm.xavier.wire import DEVICE_TIER
 
 from . import test_scheduler as base
 from .test_fast_path import DeviceHolder
@@ -19,6 +21,7 @@ from .test_scheduler import BS, HOLDER, LOADER, NS, make_side
 
 loop = base.loop
 tracker = base.tracker
+HOLDER_ADDRESS = "nixl://holder"
 
 
 def policy(**overrides):
@@ -115,3 +118,66 @@ def test_no_lease_free_grant_where_the_worker_cannot_read_it(loop, tracker):
     sync()
     assert side.num_new_matched_tokens("r", list(range(16)), 0) == (3 * BS, False)
     assert len(holder.reserved) == 1 and side.stats["lease_free_answers"] == 0
+
+
+def lease_free_load(side, sync, tracker, holder, req_id, prompt, blocks):
+    """A located synchronous hit on ``prompt``, allocated into ``blocks`` and
+    planned: (its keys, its step item)."""
+    keys = publish_located(tracker, holder, prompt, located=True)
+    sync()
+    n = len(blocks)
+    assert side.num_new_matched_tokens(req_id, prompt, 0) == (n * BS, False)
+    side.on_allocated(req_id, [list(blocks) + [99]], n * BS)
+    (item,) = side.build_step(
+        [ScheduledRequest(req_id, n * BS, 4, list(blocks) + [99], whole_table=True)]
+    ).loads
+    assert item.load.grant.lease_free
+    return keys, item
+
+
+def test_a_stale_block_fails_from_itself_on_without_backing_off_its_holder(
+    loop, tracker
+):
+    """The worker found block 1 of 3 stale (its slot was reused since its
+    location was published): blocks 1 and 2 are recomputed, block 0 stays
+    loaded; the holder is not backed off (the index was stale, not the holder),
+    and the mirror forgets the stale location, so the next hit on it reserves
+    instead of failing again."""
+    holder = DeviceHolder()
+    rule = policy()
+    side, sync = mirrored_side(loop, tracker, holder, rule)
+    prompt = list(range(16))
+    keys, item = lease_free_load(side, sync, tracker, holder, "r", prompt, [4, 5, 6])
+    grant = item.load.grant
+    report = StaleLoad.of(grant, [1])
+    assert report.stale == ((keys[1], 2, 12),)
+    assert report.failed_blocks(item.load.dst_block_ids) == (5, 6)
+    side.loads_stale({"r": report})  # as update_connector_output passes them
+    side.loads_failed({5, 6})
+    assert side.stats["loads_failed"] == 1 and side.stats["stale_loads"] == 1
+    assert side.stats["sync_loads_failed"] == 0
+    assert rule.bound_s(HOLDER_ADDRESS, (DEVICE_TIER,), 1) is not None
+    assert side._mirror.locate(HOLDER, keys[:1]) == [(0, 10)]
+    assert side._mirror.locate(HOLDER, keys[1:2]) is None
+    assert side.request_finished("r")["xavier_external_tokens"] == 1 * BS
+    # the next hit on the same prefix: block 1 has no location any more
+    assert side.num_new_matched_tokens("next", prompt, 0) == (3 * BS, False)
+    assert len(holder.reserved) == 1 and side.stats["lease_free_answers"] == 1
+
+
+def test_a_lease_free_load_past_its_bound_backs_its_holder_off(loop, tracker):
+    """A timeout or a transport error is the holder's fault: its next hits go
+    the asynchronous way for a while, and its locations stay (they were not
+    found stale)."""
+    holder = DeviceHolder()
+    rule = policy()
+    side, sync = mirrored_side(loop, tracker, holder, rule)
+    prompt = list(range(16))
+    keys, item = lease_free_load(side, sync, tracker, holder, "r", prompt, [4, 5, 6])
+    side.loads_stale({})
+    side.loads_failed({4, 5, 6})  # every block: no result within the bound
+    assert side.stats["sync_loads_failed"] == 1 and side.stats["stale_loads"] == 0
+    assert rule.bound_s(HOLDER_ADDRESS, (DEVICE_TIER,), 1) is None
+    assert side._mirror.locate(HOLDER, keys[:3]) is not None
+    assert side.request_finished("r") is None  # nothing came from the peer
+    assert side.num_new_matched_tokens("next", prompt, 0) == (3 * BS, True)

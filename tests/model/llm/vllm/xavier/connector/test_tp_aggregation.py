@@ -82,3 +82,31 @@ def test_worker_metadata_of_the_ranks_is_merged():
     assert meta.identity == identity and meta.round_trips == {"a": 3}
     # a request waited for its slowest rank's load
     assert meta.load_seconds == {"a": 0.5}
+
+
+def test_stale_load_reports_of_the_ranks_are_merged():
+    """A request's lease-free load found stale on two ranks fails from the
+    earlier block on (vLLM recomputes from the first block any rank failed),
+    and every stale location of both ranks is forgotten."""
+    from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
+
+    one = StaleLoad(2, 0, ((b"k2", 4, 10),), 4)
+    other = StaleLoad(1, 0, ((b"k1", 2, 8), (b"k2", 4, 10)), 4)
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+    merged = aggregator.aggregate(
+        [
+            rank_output(
+                kv_connector_worker_meta=XavierWorkerMetadata(
+                    None, stale_loads={"r": one}
+                )
+            ),
+            rank_output(
+                kv_connector_worker_meta=XavierWorkerMetadata(
+                    None, stale_loads={"r": other, "s": one}
+                )
+            ),
+        ]
+    )
+    meta = merged.kv_connector_output.kv_connector_worker_meta
+    assert meta.stale_loads["r"] == StaleLoad(1, 0, ((b"k2", 4, 10), (b"k1", 2, 8)), 4)
+    assert meta.stale_loads["s"] == one

@@ -302,3 +302,46 @@ def test_in_an_unconfigured_process_xavier_logs_at_the_replicas_level(monkeypatc
     # a process that logs somewhere already is left alone
     _log_where_the_engine_logs()
     assert len(ours.handlers) == 1
+
+
+def test_stale_loads_travel_to_the_scheduler_before_their_failed_blocks():
+    """The worker's stale-load reports ride the step's worker metadata; the
+    scheduler half gets them before the failed block ids of the same output,
+    so it knows those failures are not the holder's (no backoff)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from xinference.model.llm.vllm.xavier.connector.load_completions import (
+        EndedLoads,
+    )
+    from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
+
+    report = StaleLoad(1, 0, ((b"k" * 16, 2, 8),), 3)
+    worker = XavierConnector(vllm_config(), KVConnectorRole.WORKER, PLAIN)
+    worker_half = Raising(
+        take_identity_report=None,
+        take_ended_loads=EndedLoads(),
+        take_stale_loads={"r": report},
+        close=None,
+    )
+    worker._worker = worker_half  # type: ignore[assignment]
+    scheduler = XavierConnector(vllm_config(), KVConnectorRole.SCHEDULER, PLAIN)
+    scheduler_half = Raising(
+        record_load_round_trips=None, loads_stale=None, loads_failed=None, close=None
+    )
+    scheduler._scheduler = scheduler_half  # type: ignore[assignment]
+    try:
+        meta = worker.build_connector_worker_meta()
+        assert isinstance(meta, XavierWorkerMetadata)
+        scheduler.update_connector_output(
+            KVConnectorOutput(invalid_block_ids={5, 6}, kv_connector_worker_meta=meta)
+        )
+        assert [name for name, _ in scheduler_half.calls] == [
+            "record_load_round_trips",
+            "loads_stale",
+            "loads_failed",
+        ]
+        assert scheduler_half.calls[1][1] == ({"r": report},)
+        assert scheduler_half.calls[2][1] == ({5, 6},)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()

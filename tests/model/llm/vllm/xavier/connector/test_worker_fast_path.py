@@ -192,3 +192,56 @@ def test_a_lease_free_load_never_goes_to_the_actor(loop):
     # and the actor refuses one outright, should it ever be handed one
     with pytest.raises(ValueError, match="lease-free"):
         loop.run(runner.start(request(unpinned, [12, 13], "load-direct")), 5)
+
+
+class StaleReads:
+    """The engine process's reader, as the worker sees it: every lease-free
+    load it is handed ends with the outcome scripted for its id."""
+
+    def __init__(self, outcomes: dict[str, Any]) -> None:
+        self.outcomes = outcomes
+
+    def prepare(self, holder_rank: int, holder_address: str) -> None:
+        pass
+
+    def load_now(self, requests: Sequence[Any], bound_s: float) -> dict[str, Any]:
+        return {req.load_id: self.outcomes[req.load_id] for req in requests}
+
+
+def test_a_stale_lease_free_load_fails_only_from_its_first_stale_block(loop):
+    """Block 1 of 4 was found stale (and block 3; block 2 matched): vLLM is told
+    blocks 1, 2 and 3 failed, block 0 stays loaded, and the scheduler half gets
+    the report with the step's worker metadata; a load that timed out fails
+    every block and makes no report (its holder is at fault)."""
+    import dataclasses
+
+    from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
+
+    holder, published = loop.run(staged_holder(6, device_slots=6), 30)
+    identity = holder.engine.identity()
+    grants = [
+        dataclasses.replace(
+            holder.leases.grant(keys, f"lease-free-{name}", identity),
+            generations=(2,) * len(keys),
+        )
+        for name, keys in (("stale", published[:4]), ("late", published[4:]))
+    ]
+    report = StaleLoad.of(grants[0], [3, 1])
+    assert report.first == 1 and len(report.stale) == 2
+    actor = InProcessActor(runner_for(holder, FakeTransport())[0])
+    worker = worker_with(loop, actor)
+    worker._direct = StaleReads(  # type: ignore[assignment]
+        {"load-stale": report, "load-late": "no result within the bound"}
+    )
+    step = StepMetadata(
+        loads=(
+            bounded("stale", request(grants[0], [10, 11, 12, 13], "load-stale"), 2.0),
+            bounded("late", request(grants[1], [20, 21], "load-late"), 2.0),
+        ),
+        load_async=True,
+    )
+    worker.start_load_kv(step)
+    assert worker.get_block_ids_with_load_errors() == {11, 12, 13, 20, 21}
+    assert worker.take_stale_loads() == {"stale": report}
+    assert worker.take_stale_loads() == {}
+    assert actor.calls == []

@@ -11,7 +11,9 @@ loads a lease-free grant (``lease_free.py``) in this step, with no actor call:
 2. the rows are READ into this agent's receive slab and scattered into the
    destination engine blocks (``NixlDirectTransport.load``, ``row_scatter``);
 3. then the slots' generation words are READ back and compared
-   (``generation_words.py``); a changed word fails the load, vLLM recomputes.
+   (``generation_words.py``); a changed word fails its block and the blocks after
+   it, vLLM recomputes them (``stale_loads.py``: the index was stale, the holder
+   is not at fault).
 
 The engine thread waits at most the load's bound (``fast_path.py``) plus
 ``REPLY_ALLOWANCE_S``; past it, the load is fenced: every scatter into engine
@@ -45,7 +47,11 @@ from ..transports.nixl.generation_words import read_words
 from ..transports.nixl.placement import PLACEMENT_SLAB
 from ..transports.nixl.transport import NixlDirectTransport
 from ..wire import LoadRequest, TransportHint
+from .stale_loads import StaleLoad
 from .step import RequestLoad
+
+# per load id: None (loaded and verified), the stale blocks, or why it failed
+Outcome = str | StaleLoad | None
 
 logger = logging.getLogger(__name__)
 
@@ -158,11 +164,12 @@ class DirectReads:
 
     def load_now(
         self, requests: Sequence[LoadRequest], bound_s: float
-    ) -> dict[str, str | None]:
+    ) -> dict[str, Outcome]:
         """Load ``requests`` before this step's forward, within ``bound_s``: per
-        load id, None (loaded and verified) or why its blocks must be recomputed.
+        load id, None (loaded and verified), its stale blocks, or why its blocks
+        must be recomputed.
         Returns with no write of any of them still able to land."""
-        outcomes: dict[str, str | None] = {}
+        outcomes: dict[str, Outcome] = {}
         fences = {req.load_id: _Fence() for req in requests}
         written = DeviceWorkMark(self._cache.device)
         runnable = []
@@ -197,10 +204,11 @@ class DirectReads:
         requests: Sequence[LoadRequest],
         fences: dict[str, _Fence],
         written: DeviceWorkMark,
-        outcomes: dict[str, str | None],
+        outcomes: dict[str, Outcome],
     ) -> None:
         async def one(req: LoadRequest) -> None:
             fence = fences[req.load_id]
+            error: Outcome
             try:
                 error = await self._load_one(req, fence, written)
             except Exception as exc:
@@ -213,7 +221,7 @@ class DirectReads:
 
     async def _load_one(
         self, req: LoadRequest, fence: _Fence, written: DeviceWorkMark
-    ) -> str | None:
+    ) -> Outcome:
         transport = self._transport
         grant = req.grant
         peer = None if transport is None else transport.known_peer(grant.holder_rank)
@@ -258,10 +266,7 @@ class DirectReads:
         self.loads += 1
         if stale:
             self.stale += 1
-            return (
-                f"{len(stale)} of {len(slots)} snapshots changed on the holder since "
-                "their locations were published"
-            )
+            return StaleLoad.of(grant, stale)
         return None
 
     # ---- plumbing -----------------------------------------------------------------
@@ -291,7 +296,7 @@ DirectReadsFactory = Callable[[list[torch.Tensor]], DirectReads | None]
 
 def run_lease_free(
     direct: DirectReads | None, items: Sequence[RequestLoad]
-) -> tuple[dict[str, str | None], list[RequestLoad]]:
+) -> tuple[dict[str, Outcome], list[RequestLoad]]:
     """The worker's hook, with this step's planned loads: loads the lease-free
     ones here, within the largest of their bounds (per load id, None or why it
     failed), and returns the others, whose holders it meets meanwhile for later
@@ -307,7 +312,7 @@ def run_lease_free(
     if not requests:
         return {}, rest
     if direct is None:
-        failed = "no NIXL agent in the engine process"
+        failed: Outcome = "no NIXL agent in the engine process"
         return {r.load_id: failed for r in requests}, rest
     bound_s = max((item.bound_s or 0.0) for item in lease_free)
     return direct.load_now(requests, bound_s), rest

@@ -30,7 +30,7 @@ tracker, asked only while the mirror is not ready, at most one RPC deadline.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from .reservations import (
     Reservations,
     Reserve,
 )
+from .stale_loads import StaleLoad
 from .step import RequestLoad, ScheduledRequest, StageAfterLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class _RequestState:
     answered_async: bool = False
     answered_bound_s: float | None = None
     load_holder_address: str | None = None
+    # its lease-free load found stale locations: not its holder's fault
+    load_stale: bool = False
 
 
 class SchedulerSide:
@@ -152,6 +155,7 @@ class SchedulerSide:
             "sync_answers": 0,  # hits answered (n, False) in a GPU-first deployment
             "sync_loads_failed": 0,
             "lease_free_answers": 0,  # of sync_answers, made with no reservation
+            "stale_loads": 0,  # lease-free loads that found stale locations
             "staged_blocks": 0,
         }
         self._mirror = mirror
@@ -400,10 +404,23 @@ class SchedulerSide:
         # Last: a release that fails must not keep the blocks from being reported.
         self.drop_reservation(req_id)
 
+    def loads_stale(self, reports: Mapping[str, StaleLoad]) -> None:
+        """Lease-free loads that found stale locations (before their failed
+        blocks are reported): their holders are not at fault, and the mirror
+        forgets those locations, so the next hits on them reserve."""
+        for req_id, report in reports.items():
+            self.stats["stale_loads"] += 1
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.load_stale = True
+            if self._mirror is not None:
+                self._mirror.forget_locations(report.holder_rank, report.stale)
+
     def loads_failed(self, block_ids: set[int]) -> None:
         """The worker reported ``block_ids`` as not loaded (vLLM recomputes them):
-        a request whose load wrote any of them did not get its blocks from a peer,
-        and computes them itself from the first failed one on, so those blocks
+        a request whose load wrote any of them got from its peer none of its
+        blocks (after a stale load: those before the first stale one), and
+        computes the rest itself from the first failed one on, so those blocks
         are staged again as they fill.
         """
         if not block_ids:
@@ -421,9 +438,15 @@ class SchedulerSide:
                 continue
             if state.loaded_into:
                 self.stats["loads_failed"] += 1
-                state.loaded_into = ()
+                # a stale load's blocks before the first stale one were verified
+                kept = failed_at - state.load_first if state.load_stale else 0
+                state.loaded_into = state.loaded_into[:kept]
                 policy = self._settings.sync_loads
-                if state.answered_bound_s is not None and policy is not None:
+                if (
+                    state.answered_bound_s is not None
+                    and policy is not None
+                    and not state.load_stale  # the index was stale, not the holder
+                ):
                     # past its bound, or failed: its holder's next hits go the
                     # asynchronous way for a while
                     self.stats["sync_loads_failed"] += 1

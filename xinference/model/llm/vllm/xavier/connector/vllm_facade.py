@@ -60,6 +60,7 @@ from .ranks import (
     step_for_rank,
 )
 from .scheduler import SchedulerSettings, SchedulerSide
+from .stale_loads import StaleLoad, merge_stale_loads
 from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
     FinishedParams,
@@ -112,19 +113,22 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 
 class XavierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the replica identity, once the caches are mapped, and
-    of the loads that ended, the actor round trips (req_id -> count) and their
-    own time (req_id -> seconds)."""
+    """Worker -> scheduler: the replica identity, once the caches are mapped; of
+    the loads that ended, the actor round trips (req_id -> count) and their own
+    time (req_id -> seconds); and the lease-free loads that found stale
+    locations (req_id -> ``StaleLoad``)."""
 
     def __init__(
         self,
         identity: ReplicaIdentity | None,
         round_trips: dict[str, int] | None = None,
         load_seconds: dict[str, float] | None = None,
+        stale_loads: dict[str, StaleLoad] | None = None,
     ) -> None:
         self.identity = identity
         self.round_trips = round_trips or {}
         self.load_seconds = load_seconds or {}
+        self.stale_loads = stale_loads or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: the identity any rank reported (every rank's
@@ -135,6 +139,7 @@ class XavierWorkerMetadata(KVConnectorWorkerMetadata):
             self.identity or other.identity,
             merge_round_trips(self.round_trips, other.round_trips),
             merge_round_trips(self.load_seconds, other.load_seconds),
+            merge_stale_loads(self.stale_loads, other.stale_loads),
         )
 
 
@@ -437,6 +442,8 @@ class XavierConnector(KVConnectorBase_V1):
                 self._scheduler.set_identity(meta.identity)
             self._scheduler.record_load_round_trips(meta.round_trips, meta.load_seconds)
             self._finished_params.complete(meta.round_trips, meta.load_seconds)
+            # before the failed blocks: a stale load's holder is not at fault
+            self._scheduler.loads_stale(meta.stale_loads)
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
@@ -561,9 +568,12 @@ class XavierConnector(KVConnectorBase_V1):
             return None
         identity = self._worker.take_identity_report()
         ended = self._worker.take_ended_loads()
-        if identity is None and not ended.round_trips:
+        stale_loads = self._worker.take_stale_loads()
+        if identity is None and not ended.round_trips and not stale_loads:
             return None
-        return XavierWorkerMetadata(identity, ended.round_trips, ended.seconds)
+        return XavierWorkerMetadata(
+            identity, ended.round_trips, ended.seconds, stale_loads
+        )
 
     def shutdown(self) -> None:
         self._engine_time.log()

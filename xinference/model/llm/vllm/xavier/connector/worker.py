@@ -42,6 +42,7 @@ from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import EndedLoads, InFlightLoad, PostedLoads, cancel_quietly
 from .staging_ring import RingStaging, StagingRing
+from .stale_loads import StaleLoad
 from .step import RequestLoad, StepMetadata
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         # round trips and own time of the ended loads, until the scheduler is told
         self._ended = EndedLoads()
+        # req_id -> its lease-free load's stale blocks, until the scheduler is told
+        self._stale_loads: dict[str, StaleLoad] = {}
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
@@ -378,28 +381,32 @@ class WorkerSide:
     def _load_ended(
         self,
         load_id: str,
-        outcome: str | LoadResult | None,
+        outcome: str | LoadResult | StaleLoad | None,
         ended_s: float | None = None,
     ) -> None:
-        """Record the end of a load: ``outcome`` is its result, or the error that
-        ended it here (None: it succeeded); ``ended_s`` when it ended (None: now)."""
+        """Record the end of a load: ``outcome`` is its result, its stale blocks
+        (only those and the blocks after them fail), or the error that ended it
+        here (None: it succeeded); ``ended_s`` when it ended (None: now)."""
         load = self._in_flight.pop(load_id, None)
         if load is None:
             return
-        error = outcome
+        error, failed = outcome, load.dst_block_ids
         if isinstance(outcome, LoadResult):
             error = None if outcome.ok else outcome.error
             load.round_trips += outcome.round_trips
+        elif isinstance(outcome, StaleLoad):
+            error, failed = outcome.describe(), outcome.failed_blocks(failed)
+            self._stale_loads[load.req_id] = outcome
         self._ended.record(load, ended_s)
         if error is not None:
             logger.warning(
                 "Xavier: load %s of request %s failed, recomputing %d blocks: %s",
                 load_id,
                 load.req_id,
-                len(load.dst_block_ids),
+                len(failed),
                 error,
             )
-            self._load_errors.update(load.dst_block_ids)
+            self._load_errors.update(failed)
         if not load.synchronous:
             self._finished_recving.add(load.req_id)
 
@@ -451,6 +458,12 @@ class WorkerSide:
         """Per request whose load ended since the last call: the actor round
         trips on its critical path and the load's own time (counted)."""
         return self._ended.take()
+
+    def take_stale_loads(self) -> dict[str, StaleLoad]:
+        """Per request whose lease-free load found stale locations since the
+        last call: what the scheduler half must forget (``stale_loads.py``)."""
+        stale, self._stale_loads = self._stale_loads, {}
+        return stale
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
