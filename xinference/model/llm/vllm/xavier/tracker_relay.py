@@ -51,10 +51,14 @@ from .wire import PrefixHit, TrackerChanges
 logger = logging.getLogger(__name__)
 
 # After a tracker answer, how long the relay waits for its mirrors to ask again
-# (a local round trip) before its next poll reports their versions.
-REPORT_WAIT_S = 0.01
-# The relay's own long poll to the tracker waits this long for a change.
-RELAY_WAIT_S = 10.0
+# (a local round trip and an apply) before its next poll reports their versions;
+# under the tracker's 40 ms window, which holds that poll anyway.
+REPORT_WAIT_S = 0.02
+# The relay's own long poll to the tracker waits this long for a change: in a
+# quiet spell, a mirror that came back after the relay's poll left is reported
+# this late (rank -1 queries see its new keys that much later; one message a
+# second per host).
+RELAY_WAIT_S = 1.0
 RETRY_S = 1.0
 
 
