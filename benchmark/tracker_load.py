@@ -221,6 +221,8 @@ async def run(
     for proc in procs:
         proc.join(30)
     if hosts:  # before the tracker: their polls would log it gone
+        for relay in relays:
+            await xo.destroy_actor(relay)
         await relay_pool.stop()
     await pool.stop()
     sides: dict[str, list[dict[str, Any]]] = {"replicas": [], "mirrors": []}
