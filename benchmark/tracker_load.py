@@ -214,7 +214,7 @@ async def run(
     cpu = (await probe.cpu_s() - cpu_from) / (end - t0 - 1.0)
     relay_cores = [
         (await p.cpu_s() - start) / (end - t0 - 1.0)
-        for p, start in zip(relay_probes, relays_from)
+        for p, start in zip(relay_probes, relays_from, strict=True)
     ]
     relay_stats = [await relay.stats() for relay in relays]
     got = [await loop.run_in_executor(None, results.get, True, 120) for _ in procs]

@@ -52,7 +52,11 @@ def replica_tracker(
     the tracker where there is none."""
     uid = record.spec.model_uid
     relay = record.relays.get(record.workers[rank].address)
-    return (tracker_address, tracker_uid(uid)) if relay is None else (relay, relay_uid(uid))
+    return (
+        (tracker_address, tracker_uid(uid))
+        if relay is None
+        else (relay, relay_uid(uid))
+    )
 
 
 async def stop_relays(record: Deployment) -> None:

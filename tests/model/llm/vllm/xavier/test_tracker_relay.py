@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import xoscar as xo
+from xoscar.errors import ActorNotExist
 
 from xinference.model.llm.vllm.xavier.actor.tracker_updates import TrackerUpdates
 from xinference.model.llm.vllm.xavier.change_log import (
@@ -222,7 +223,7 @@ async def test_without_the_tracker_updates_fail_loudly_and_mirrors_stop(setup):
         await updates.wait()
         assert counters.tracker_failures == 1  # as when the tracker call fails
         await eventually(lambda: not relayed[0].ready)
-        with pytest.raises(Exception):
+        with pytest.raises(ActorNotExist):  # what the tracker call raised
             await setup.relay.update_blocks(0, b"", pack_keys(KEYS[:1]))
         with pytest.raises(ConnectionError, match="no tracker"):
             await setup.relay.mirror_changes(3, -1, 0.0)

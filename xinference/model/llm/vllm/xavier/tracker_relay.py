@@ -362,7 +362,9 @@ class TrackerRelayActor(xo.StatelessActor):
                     errors = [None]
             except Exception as exc:  # every caller of this call learns of it
                 errors = [exc] * count
-            for (_, _, done), error in zip(sending, errors):
+            if len(errors) != count:  # never left unanswered, whatever came back
+                errors = [RuntimeError(f"{len(errors)} results for {count}")] * count
+            for (_, _, done), error in zip(sending, errors, strict=True):
                 if done.done():
                     continue  # the caller gave up waiting
                 if error is None:
