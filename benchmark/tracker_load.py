@@ -308,7 +308,9 @@ def main() -> None:
     for _ in range(opts.repeat):
         for n in [int(x) for x in opts.replicas.split(",")]:
             for design, hosts in [
-                (d, h) for d in designs for h in ([0, opts.hosts] if opts.hosts else [0])
+                (d, h)
+                for d in designs
+                for h in ([0, opts.hosts] if opts.hosts else [0])
             ]:
                 r = asyncio.run(run(n, opts, design, hosts))
                 name = f"{design.name}/{hosts}h" if hosts else design.name

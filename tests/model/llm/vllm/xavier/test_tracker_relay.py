@@ -119,9 +119,7 @@ async def test_mirrors_through_the_relay_apply_what_direct_mirrors_apply(setup):
         await eventually(
             lambda: _versions_are(setup.tracker, {0: final, 1: final, -1: final})
         )
-        assert await setup.tracker.query_prefix(-1, KEYS) == PrefixHit(
-            2, "nixl://c", 3
-        )
+        assert await setup.tracker.query_prefix(-1, KEYS) == PrefixHit(2, "nixl://c", 3)
     finally:
         await stop([direct, relayed])
 
