@@ -299,7 +299,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'design':>9} {'N':>3} {'send ms':>7} {'win ms':>6} {'calls/s':>7} "
+        f"{'design':>11} {'N':>3} {'send ms':>7} {'win ms':>6} {'calls/s':>7} "
         f"{'answers/s':>9} {'trk core':>8} {'us/msg':>6} {'lag p50':>7} "
         f"{'lag p99':>7} {'unseen':>6} {'clients core':>12} {'relays core':>11} "
         f"{'max relay':>9}"
@@ -317,7 +317,7 @@ def main() -> None:
                 rows.setdefault(name, []).append(r)
                 messages = r["calls_s"] + r["answers_s"]
                 print(
-                    f"{name:>9} {n:>3} {design.send_s * 1e3:>7.0f} "
+                    f"{name:>11} {n:>3} {design.send_s * 1e3:>7.0f} "
                     f"{design.window_s * 1e3:>6.0f} {r['calls_s']:>7.0f} "
                     f"{r['answers_s']:>9.0f} {r['trk_core']:>8.2f} "
                     f"{r['trk_core'] / max(messages, 1) * 1e6:>6.0f} "

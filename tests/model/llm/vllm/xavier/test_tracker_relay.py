@@ -5,6 +5,7 @@ sub-pool), and mirrors that are the replicas' own ``TrackerMirror``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -32,32 +33,42 @@ ADDRESSES = ("nixl://a", "nixl://b", "nixl://c")
 
 
 class Setup:
-    def __init__(self, tracker: Any, relay: Any) -> None:
+    def __init__(self, tracker: Any, relay: Any, tracker_address: str) -> None:
         self.tracker = tracker
         self.relay = relay
+        self.tracker_address = tracker_address
 
 
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
+async def start_tracker(address: str) -> Any:
+    tracker = await xo.create_actor(BlockTrackerActor, address=address, uid="trk")
+    for rank, replica in enumerate(ADDRESSES):
+        await tracker.register_replica(rank, replica)
+    return tracker
+
+
+@contextlib.asynccontextmanager
+async def tracker_and_relay(**relay_options: Any) -> AsyncIterator[Setup]:
     pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
     async with pool:
         config = await xo.get_pool_config(pool.external_address)
         main, sub = list(config.get_external_addresses())
-        tracker = await xo.create_actor(BlockTrackerActor, address=main, uid="trk")
-        for rank, address in enumerate(ADDRESSES):
-            await tracker.register_replica(rank, address)
+        tracker = await start_tracker(main)
         relay = await xo.create_actor(
             TrackerRelayActor,
             main,
             "trk",
-            rpc_timeout_s=1.0,
-            wait_s=0.5,
-            retry_s=0.2,
+            **{"rpc_timeout_s": 1.0, "wait_s": 0.5, "retry_s": 0.2, **relay_options},
             address=sub,
             uid="relay",
         )
-        yield Setup(tracker, relay)
+        yield Setup(tracker, relay, main)
         await xo.destroy_actor(relay)
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[Setup]:
+    async with tracker_and_relay() as made:
+        yield made
 
 
 def start_mirror(ref: Any, rank: int) -> tuple[TrackerMirror, asyncio.Task[None]]:
@@ -225,5 +236,52 @@ async def test_without_the_tracker_updates_fail_loudly_and_mirrors_stop(setup):
             await setup.relay.update_blocks(0, b"", pack_keys(KEYS[:1]))
         with pytest.raises(ConnectionError, match="no tracker"):
             await setup.relay.mirror_changes(3, -1, 0.0)
+    finally:
+        await stop([relayed])
+
+
+async def test_a_mirror_behind_the_relays_log_gets_a_fresh_snapshot():
+    async with tracker_and_relay(log_keys=4) as setup:
+        relay, tracker = setup.relay, setup.tracker
+        base = (await relay.mirror_changes(0, -1, 0.0)).version
+        keys = list(KEYS) + list(OTHER)
+        for start in range(0, len(keys), 2):  # 6 records of 2 keys
+            await tracker.update_blocks(1, b"", pack_keys(keys[start : start + 2]))
+        newest = (await tracker.mirror_versions())[-1]
+        await eventually(lambda: _relay_at(relay, newest))
+        # the relay's log (4 keys) no longer reaches `base`, nor does its first
+        # snapshot: it fetches one from the tracker
+        answer = await relay.mirror_changes(0, base, 0.0)
+        assert answer.reset and answer.version == newest
+        mirror = TrackerMirror(
+            lambda s, w: relay.mirror_changes(0, s, w), rpc_timeout_s=1.0
+        )
+        mirror.apply(answer)
+        assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 8)
+        assert mirror.query(0, OTHER) == PrefixHit(1, "nixl://b", 4)
+        await tracker.update_blocks(1, pack_keys(KEYS[:1]), b"")
+        follow = await relay.mirror_changes(0, answer.version, 5.0)
+        assert not follow.reset and follow.version == newest + 1
+
+
+async def _relay_at(relay: Any, version: int) -> bool:
+    return (await relay.stats())["version"] == version
+
+
+async def test_the_relay_follows_a_tracker_that_comes_back(setup):
+    relayed = start_mirror(setup.relay, 0)
+    try:
+        await setup.tracker.update_blocks(1, b"", pack_keys(KEYS[:5]))
+        await setup.tracker.update_blocks(1, pack_keys(KEYS[3:5]), b"")
+        await eventually(lambda: relayed[0].query(0, KEYS) is not None)
+        await xo.destroy_actor(setup.tracker)
+        await eventually(lambda: not relayed[0].ready)
+        # a new tracker: its versions start again below the relay's
+        tracker = await start_tracker(setup.tracker_address)
+        await tracker.update_blocks(2, b"", pack_keys(KEYS[:2]))
+        await eventually(lambda: relayed[0].ready, timeout_s=10.0)
+        await eventually(
+            lambda: relayed[0].query(0, KEYS) == PrefixHit(2, "nixl://c", 2)
+        )
     finally:
         await stop([relayed])

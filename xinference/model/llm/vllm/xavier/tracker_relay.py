@@ -81,8 +81,11 @@ class TrackerRelayActor(xo.StatelessActor):
         rpc_timeout_s: float = 10.0,
         wait_s: float = RELAY_WAIT_S,
         retry_s: float = RETRY_S,
+        log_keys: int = CHANGE_LOG_KEYS,
     ) -> None:
+        """``log_keys``: the local log's length (as the tracker's; tests)."""
         super().__init__()
+        self._log_keys = log_keys
         self._tracker_address = tracker_address
         self._tracker_uid = tracker_uid
         self._rpc_timeout_s = rpc_timeout_s
@@ -91,7 +94,7 @@ class TrackerRelayActor(xo.StatelessActor):
         self._tracker: Any = None
         self._follow_task: asyncio.Task[None] | None = None
         # the tracker's records after version ``_base`` up to ``_version``
-        self._log = ChangeLog(CHANGE_LOG_KEYS)
+        self._log = ChangeLog(log_keys)
         self._base = -1  # -1: nothing received yet
         self._version = -1
         self._addresses: tuple[tuple[int, str], ...] = ()
@@ -261,7 +264,7 @@ class TrackerRelayActor(xo.StatelessActor):
         self._wake()
 
     def _restart(self, version: int) -> None:
-        self._log = ChangeLog(CHANGE_LOG_KEYS)
+        self._log = ChangeLog(self._log_keys)
         self._base = version
 
     async def _await_mirrors(self) -> None:
