@@ -242,7 +242,9 @@ class TrackerRelayActor(xo.StatelessActor):
 
     def _take(self, answer: TrackerChanges) -> None:
         records = [] if answer.reset else split_records(answer.packed)
-        if answer.reset or answer.changes or answer.version < self._version:
+        # A tracker that came back anew answers the relay's newer version with a
+        # snapshot (``reset``), as it answers a mirror.
+        if answer.reset or answer.changes:
             self._restart(answer.version)
             if answer.reset:
                 self._snapshot = answer
