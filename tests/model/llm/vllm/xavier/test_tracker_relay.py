@@ -61,8 +61,14 @@ async def tracker_and_relay(**relay_options: Any) -> AsyncIterator[Setup]:
             address=sub,
             uid="relay",
         )
+        # until its first poll is answered a relay refuses mirrors (as not ready)
+        await eventually(lambda: _connected(relay))
         yield Setup(tracker, relay, main)
         await xo.destroy_actor(relay)
+
+
+async def _connected(relay: Any) -> bool:
+    return (await relay.stats())["connected"]
 
 
 @pytest.fixture
