@@ -64,7 +64,8 @@ async def tracker_and_relay(**relay_options: Any) -> AsyncIterator[Setup]:
         # until its first poll is answered a relay refuses mirrors (as not ready)
         await eventually(lambda: _connected(relay))
         yield Setup(tracker, relay, main)
-        await xo.destroy_actor(relay)
+        if await xo.has_actor(relay):
+            await xo.destroy_actor(relay)
 
 
 async def _connected(relay: Any) -> bool:
@@ -291,3 +292,14 @@ async def test_the_relay_follows_a_tracker_that_comes_back(setup):
         )
     finally:
         await stop([relayed])
+
+
+async def test_a_relay_ends_its_poll_at_the_tracker_when_destroyed():
+    """Its poll waits up to 30 s here: destroying the relay wakes it at the tracker
+    instead of waiting it out or leaving it to be answered into a closed pool."""
+    async with tracker_and_relay(wait_s=30.0, rpc_timeout_s=3.0) as setup:
+        await asyncio.sleep(0.3)  # the relay's poll now waits at the tracker
+        started = time.monotonic()
+        await xo.destroy_actor(setup.relay)
+        assert time.monotonic() - started < 1.5
+        assert not await xo.has_actor(setup.relay)

@@ -93,6 +93,7 @@ class TrackerRelayActor(xo.StatelessActor):
         self._retry_s = retry_s
         self._tracker: Any = None
         self._follow_task: asyncio.Task[None] | None = None
+        self._stopping = False
         # the tracker's records after version ``_base`` up to ``_version``
         self._log = ChangeLog(log_keys)
         self._base = -1  # -1: nothing received yet
@@ -122,10 +123,21 @@ class TrackerRelayActor(xo.StatelessActor):
         self._follow_task = asyncio.create_task(self._follow())
 
     async def __pre_destroy__(self) -> None:
-        if self._follow_task is not None:
-            self._follow_task.cancel()
+        """Ends the poll at the tracker before leaving (the tracker's
+        ``wake_mirrors``), so that no call is left for it to answer into a closed
+        connection; cancels it only if that fails."""
+        self._stopping = True
         self._error = "the relay is stopping"
         self._wake()
+        task = self._follow_task
+        if task is None or task.done():
+            return
+        try:
+            await self._call(self._tracker.wake_mirrors())
+            await asyncio.wait_for(asyncio.shield(task), self._rpc_timeout_s)
+        except Exception as exc:  # the tracker may be gone first
+            logger.debug("Xavier: the tracker relay stops its poll: %r", exc)
+        task.cancel()
 
     # ---- the tracker's contract for this host's replicas --------------------------
 
@@ -210,7 +222,7 @@ class TrackerRelayActor(xo.StatelessActor):
 
     async def _follow(self) -> None:
         failures = 0
-        while True:
+        while not self._stopping:
             versions = dict(self._live_versions())
             try:
                 answer = await with_deadline(
@@ -222,6 +234,8 @@ class TrackerRelayActor(xo.StatelessActor):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._stopping:
+                    return
                 failures += 1
                 if self._error is None or failures == 1:
                     logger.warning(
@@ -235,6 +249,8 @@ class TrackerRelayActor(xo.StatelessActor):
                 self._wake()  # waiting mirrors learn of it now
                 await asyncio.sleep(self._retry_s)
                 continue
+            if self._stopping:
+                return
             self._error = None
             self._counts["polls"] += 1
             self._take(answer)
