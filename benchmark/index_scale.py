@@ -162,8 +162,12 @@ class CountingTracker:
         await self._ref.register_blocks(rank, keys)
         self._count(keys)
 
-    async def update_blocks(self, rank: int, dropped: Any, added: Any) -> None:
-        await self._ref.update_blocks(rank, dropped, added)
+    async def update_blocks(
+        self, rank: int, dropped: Any, added: Any, located: bytes = b""
+    ) -> None:
+        # ``located``: what TrackerUpdates sends since the lease-free reads (empty
+        # here: the simulated replicas have no device tier)
+        await self._ref.update_blocks(rank, dropped, added, located)
         self._count(dropped + added)
 
     async def unregister_blocks(self, rank: int, keys: Any) -> None:

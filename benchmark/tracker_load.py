@@ -19,7 +19,15 @@ key handed to the sender) to the first answer holding it, per mirror: the replic
 send interval, the mirror's window and both messages (not a mirror's apply, which
 ``index_scale.py`` measures, 1-3 ms per answer).
 
+Relays (``--hosts H``): each design runs again with the replicas spread over H
+tracker relays (``tracker_relay.py``), each in its own process, as one per worker
+host would be: replicas call their relay, mirrors poll it, and the tracker sees
+each relay's batched ``update_blocks_batch`` calls and its one long poll. Its
+calls/s and answers/s are then those (counted by the relays); "relays core" is
+the relays' processes together, "max relay" the busiest one.
+
 Usage: python benchmark/tracker_load.py [--replicas 64] [--rate 128000] [--compare]
+    [--hosts 8]
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import xxhash
 
 from xinference.model.llm.vllm.xavier.actor.tracker_updates import SEND_INTERVAL_S
 from xinference.model.llm.vllm.xavier.tracker import MIRROR_BATCH_S
+from xinference.model.llm.vllm.xavier.tracker_relay import TrackerRelayActor
 
 _HERE = str(Path(__file__).resolve().parent)
 sys.path.insert(0, _HERE)  # index_costs, here and in the spawned processes
@@ -46,7 +55,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 )
 
-from index_costs import TRACKER_UID, Design, start_tracker  # noqa: E402
+from index_costs import (  # noqa: E402
+    PROBE_UID,
+    TRACKER_UID,
+    Design,
+    ProcessProbe,
+    start_tracker,
+)
+
+RELAY_UID = "tracker-load-relay"
 
 PROBE_EVERY_S = 0.02
 KEEP_S = 1.0  # a replica drops what it sent this long ago
@@ -58,7 +75,7 @@ def probe_key(seq: int) -> bytes:
     return xxhash.xxh3_128_digest(b"load-probe-%d" % seq)
 
 
-async def replicas_loop(ref: Any, args: dict[str, Any]) -> dict[str, Any]:
+async def replicas_loop(refs: dict[int, Any], args: dict[str, Any]) -> dict[str, Any]:
     """Each replica: one ``update_blocks`` per send interval, a chunk of fresh keys
     in, the chunk of ``KEEP_S`` ago out; probes go to the first replica."""
     per_call = max(1, round(args["rate"] / 2 / args["n"] * args["send_s"]))
@@ -81,7 +98,7 @@ async def replicas_loop(ref: Any, args: dict[str, Any]) -> dict[str, Any]:
                     added += probe_key(seq)
             history.append(added)
             dropped = history.pop(0) if len(history) > kept else b""
-            await ref.update_blocks(rank, dropped, added)
+            await refs[rank].update_blocks(rank, dropped, added)
             calls += 1
             tick += args["send_s"]
             await asyncio.sleep(max(0.0, tick - time.time()))
@@ -99,7 +116,7 @@ async def replicas_loop(ref: Any, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def mirrors_loop(ref: Any, args: dict[str, Any]) -> dict[str, Any]:
+async def mirrors_loop(refs: dict[int, Any], args: dict[str, Any]) -> dict[str, Any]:
     """Each mirror: long polls from the version of its last answer; notes when each
     probe first shows up in an answer."""
     seen: list[tuple[int, float]] = []
@@ -109,7 +126,7 @@ async def mirrors_loop(ref: Any, args: dict[str, Any]) -> dict[str, Any]:
         nonlocal answers
         since, next_probe = -1, 0
         while time.time() < args["end"] + 0.5:
-            changes = await ref.mirror_changes(rank, since, 1.0)
+            changes = await refs[rank].mirror_changes(rank, since, 1.0)
             since = changes.version
             answers += 1
             now = time.time()
@@ -125,13 +142,15 @@ async def mirrors_loop(ref: Any, args: dict[str, Any]) -> dict[str, Any]:
 async def side(kind: str, args: dict[str, Any], ready: Any, go: Any) -> Any:
     """Connects (a process's first xoscar call takes seconds here), then waits for
     the start time and runs one side."""
-    ref = await xo.actor_ref(args["tracker"], TRACKER_UID)
-    await ref.replicas()
+    refs = {}
+    for rank in args["ranks"]:
+        refs[rank] = await xo.actor_ref(*args["targets"][rank])
+        await refs[rank].replicas()
     ready.put(kind)
     t0 = await asyncio.get_running_loop().run_in_executor(None, go.get)
     args = {**args, "t0": t0, "end": t0 + args["seconds"]}
     loop = replicas_loop if kind == "replicas" else mirrors_loop
-    return await loop(ref, args)
+    return await loop(refs, args)
 
 
 def side_main(
@@ -140,9 +159,34 @@ def side_main(
     results.put((kind, asyncio.run(side(kind, args, ready, go))))
 
 
-async def run(n: int, opts: argparse.Namespace, design: Design) -> dict[str, Any]:
+async def start_relays(tracker: str, hosts: int) -> tuple[Any, list[Any], list[Any]]:
+    """(pool, relays, their processes' probes): one relay per sub-pool process."""
+    pool = await xo.create_actor_pool("127.0.0.1", n_process=hosts)
+    relays, probes = [], []
+    for address in pool.sub_processes:
+        relays.append(
+            await xo.create_actor(
+                TrackerRelayActor, tracker, TRACKER_UID, address=address, uid=RELAY_UID
+            )
+        )
+        probes.append(
+            await xo.create_actor(ProcessProbe, address=address, uid=PROBE_UID)
+        )
+    return pool, relays, probes
+
+
+async def run(
+    n: int, opts: argparse.Namespace, design: Design, hosts: int = 0
+) -> dict[str, Any]:
     pool, sub, _, probe = await start_tracker(n, design.window_s)
-    common = {"tracker": sub, "n": n, "rate": opts.rate, "seconds": opts.seconds}
+    targets = {rank: (sub, TRACKER_UID) for rank in range(n)}
+    relays: list[Any] = []
+    relay_probes: list[Any] = []
+    if hosts:
+        relay_pool, relays, relay_probes = await start_relays(sub, hosts)
+        addresses = list(relay_pool.sub_processes)
+        targets = {rank: (addresses[rank % hosts], RELAY_UID) for rank in range(n)}
+    common = {"targets": targets, "n": n, "rate": opts.rate, "seconds": opts.seconds}
     common["send_s"] = design.send_s
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -165,11 +209,21 @@ async def run(n: int, opts: argparse.Namespace, design: Design) -> dict[str, Any
     # measured from a second into the run to its end: the ramp left out
     await asyncio.sleep(max(0.0, t0 + 1.0 - time.time()))
     cpu_from = await probe.cpu_s()
+    relays_from = [await p.cpu_s() for p in relay_probes]
     await asyncio.sleep(max(0.0, end - time.time()))
     cpu = (await probe.cpu_s() - cpu_from) / (end - t0 - 1.0)
+    relay_cores = [
+        (await p.cpu_s() - start) / (end - t0 - 1.0)
+        for p, start in zip(relay_probes, relays_from, strict=True)
+    ]
+    relay_stats = [await relay.stats() for relay in relays]
     got = [await loop.run_in_executor(None, results.get, True, 120) for _ in procs]
     for proc in procs:
         proc.join(30)
+    if hosts:  # before the tracker: their polls would log it gone
+        for relay in relays:
+            await xo.destroy_actor(relay)
+        await relay_pool.stop()
     await pool.stop()
     sides: dict[str, list[dict[str, Any]]] = {"replicas": [], "mirrors": []}
     for kind, result in got:
@@ -182,12 +236,21 @@ async def run(n: int, opts: argparse.Namespace, design: Design) -> dict[str, Any
         if seq in sent
     )
     expected = len(sent) * n
+    if hosts:  # what the tracker received and sent: the relays' forwards and polls
+        calls = sum(stats["forwards"] for stats in relay_stats)
+        answers = sum(stats["polls"] for stats in relay_stats)
+    else:
+        calls = sum(r["calls"] for r in sides["replicas"])
+        answers = sum(m["answers"] for m in sides["mirrors"])
     return {
         "n": n,
         "design": design,
+        "hosts": hosts,
         "trk_core": cpu,
-        "calls_s": sum(r["calls"] for r in sides["replicas"]) / opts.seconds,
-        "answers_s": sum(m["answers"] for m in sides["mirrors"]) / opts.seconds,
+        "relays_core": sum(relay_cores),
+        "max_relay": max(relay_cores, default=0.0),
+        "calls_s": calls / opts.seconds,
+        "answers_s": answers / opts.seconds,
         "lag50": pct(lags, 0.5),
         "lag99": pct(lags, 0.99),
         "unseen": expected - len(lags),
@@ -210,6 +273,12 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=2, help="per side")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="also run each design through this many tracker relays (0: none)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also the pacing before: a call each 20 ms engine step, 20 ms window",
@@ -230,24 +299,31 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'design':>9} {'N':>3} {'send ms':>7} {'win ms':>6} {'calls/s':>7} "
+        f"{'design':>11} {'N':>3} {'send ms':>7} {'win ms':>6} {'calls/s':>7} "
         f"{'answers/s':>9} {'trk core':>8} {'us/msg':>6} {'lag p50':>7} "
-        f"{'lag p99':>7} {'unseen':>6} {'clients core':>12}"
+        f"{'lag p99':>7} {'unseen':>6} {'clients core':>12} {'relays core':>11} "
+        f"{'max relay':>9}"
     )
     rows: dict[str, list[dict[str, Any]]] = {}
     for _ in range(opts.repeat):
         for n in [int(x) for x in opts.replicas.split(",")]:
-            for design in designs:
-                r = asyncio.run(run(n, opts, design))
-                rows.setdefault(design.name, []).append(r)
+            for design, hosts in [
+                (d, h)
+                for d in designs
+                for h in ([0, opts.hosts] if opts.hosts else [0])
+            ]:
+                r = asyncio.run(run(n, opts, design, hosts))
+                name = f"{design.name}/{hosts}h" if hosts else design.name
+                rows.setdefault(name, []).append(r)
                 messages = r["calls_s"] + r["answers_s"]
                 print(
-                    f"{design.name:>9} {n:>3} {design.send_s * 1e3:>7.0f} "
+                    f"{name:>11} {n:>3} {design.send_s * 1e3:>7.0f} "
                     f"{design.window_s * 1e3:>6.0f} {r['calls_s']:>7.0f} "
                     f"{r['answers_s']:>9.0f} {r['trk_core']:>8.2f} "
                     f"{r['trk_core'] / max(messages, 1) * 1e6:>6.0f} "
                     f"{r['lag50']:>7.1f} {r['lag99']:>7.1f} {r['unseen']:>6} "
-                    f"{r['sides_core']:>12.2f}"
+                    f"{r['sides_core']:>12.2f} {r['relays_core']:>11.2f} "
+                    f"{r['max_relay']:>9.2f}"
                 )
                 sys.stdout.flush()
     if opts.repeat > 1:

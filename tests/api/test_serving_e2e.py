@@ -303,8 +303,9 @@ def test_options_arrive_in_each_replica_process(
             "fast_path": False,  # --no-xavier-fast-path, carried as given
             "model_uid": MODEL_NAME,
             "rank": rank,
-            "tracker_address": report["xavier"]["tracker_address"],
-            "tracker_uid": f"xavier-block-tracker-{MODEL_NAME}",
+            # the tracker relay of the replica's worker (core/tracker_relays.py)
+            "tracker_address": replicas[rank]["worker"],
+            "tracker_uid": f"xavier-tracker-relay-{MODEL_NAME}",
             "transfer_address": replicas[rank]["address"],
             "transfer_uid": f"xavier-transfer-{MODEL_NAME}-{rank}",
             "rpc_timeout_s": 10.0,

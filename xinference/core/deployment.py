@@ -30,6 +30,8 @@ class Deployment:
     phase: str = "validating"  # of launch_phases.LAUNCH_PHASES, while launching
     workers: dict[int, Any] = field(default_factory=dict)  # rank -> worker ref
     tracker: Any = None
+    # worker address -> its tracker relay's address (tracker_relays.py)
+    relays: dict[str, str] = field(default_factory=dict)
     addresses: dict[int, str] = field(default_factory=dict)  # rank -> sub-pool
     replicas: dict[int, ReplicaInfo] = field(default_factory=dict)  # rank -> loaded
     models: dict[int, Any] = field(default_factory=dict)  # rank -> model actor ref

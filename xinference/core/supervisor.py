@@ -48,6 +48,7 @@ from .messages import (
 from .model import model_actor_uid
 from .options import LaunchOptionError, LaunchSpec
 from .registry import resolve_model
+from .tracker_relays import relays_enabled, replica_tracker, start_relays, stop_relays
 from .workers import WorkerRegistry, host_of
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,8 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             record.tracker = await xo.create_actor(
                 BlockTrackerActor, address=self.address, uid=tracker_uid(uid)
             )
+            if relays_enabled():
+                await start_relays(record, self.address)
         placements = await self._plan(record)
         record.phase = "pools"
         record.detail = f"starting {spec.replica} replica sub-pool(s)"
@@ -254,7 +257,9 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
                 num_replicas=spec.replica,
                 model_path=record.model_path,
                 engine=engine,
-                xavier=self._xavier_settings(spec, rank, address),
+                xavier=self._xavier_settings(
+                    spec, rank, address, replica_tracker(record, rank, self.address)
+                ),
             )
             worker = record.workers[rank]
             info = await _deadline(
@@ -336,16 +341,18 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
         return placements
 
     def _xavier_settings(
-        self, spec: LaunchSpec, rank: int, address: str
+        self, spec: LaunchSpec, rank: int, address: str, tracker: tuple[str, str]
     ) -> XavierReplicaSettings | None:
+        """``tracker``: (address, uid) the replica calls its tracker: its host's
+        relay (``tracker_relays.py``) or the tracker."""
         if not spec.xavier.enabled:
             return None
         return XavierReplicaSettings(
             config=spec.xavier,
             model_uid=spec.model_uid,
             rank=rank,
-            tracker_address=self.address,
-            tracker_uid=tracker_uid(spec.model_uid),
+            tracker_address=tracker[0],
+            tracker_uid=tracker[1],
             transfer_address=address,
             transfer_uid=transfer_actor_uid(spec.model_uid, rank),
             tensor_parallel_size=spec.engine.tensor_parallel_size,
@@ -506,6 +513,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             leftovers = [pid for pids in killed.values() for pid in pids]
             if leftovers:
                 errors.append(f"killed processes that outlived their pool: {leftovers}")
+        await stop_relays(record)
         if record.tracker is not None:
             try:
                 await _deadline(xo.destroy_actor(record.tracker), RPC_TIMEOUT_S)

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import xoscar as xo
 
+from ..model.llm.vllm.xavier.tracker_relay import TrackerRelayActor, relay_uid
 from .heartbeat import HeartbeatSettings, beat_forever
 from .logs import log_level_env, sub_pool_logging
 from .messages import ReplicaInfo, ReplicaSpec
@@ -184,6 +185,25 @@ class WorkerActor(xo.StatelessActor):
             if refusal is not None:
                 raise LaunchOptionError(refusal)
         return placements
+
+    async def start_tracker_relay(
+        self, model_uid: str, tracker_address: str, tracker_uid: str
+    ) -> str:
+        """This host's relay to the model's block tracker (``tracker_relay.py``),
+        in this pool; its address."""
+        await xo.create_actor(
+            TrackerRelayActor,
+            tracker_address,
+            tracker_uid,
+            address=self.address,
+            uid=relay_uid(model_uid),
+        )
+        return self.address
+
+    async def stop_tracker_relay(self, model_uid: str) -> None:
+        await xo.destroy_actor(
+            await xo.actor_ref(address=self.address, uid=relay_uid(model_uid))
+        )
 
     async def start_replica_pool(self, placement: ReplicaPlacement) -> str:
         """Spawn one sub-pool for one replica; its external address."""

@@ -101,6 +101,16 @@ def decode(records: bytes) -> Iterator[tuple[str, int, bytes]]:
         offset = stop
 
 
+def split_records(records: bytes) -> list[bytes]:
+    """The records one by one, as encoded (a relay logs them version by version)."""
+    out, offset = [], 0
+    for _, _, keys in decode(records):
+        stop = offset + _HEADER.size + len(keys)
+        out.append(records[offset:stop])
+        offset = stop
+    return out
+
+
 def decode_changes(records: bytes) -> tuple[IndexChange, ...]:
     """The records as ``IndexChange`` objects (tests, tools; mirrors use ``decode``)."""
     return tuple(

@@ -74,6 +74,8 @@ class BlockTrackerActor(xo.StatelessActor):
         self._answered: dict[int, float] = {}
         # (version, the whole index as change records) of the last snapshot sent
         self._snapshot_of: tuple[int, bytes] = (-1, b"")
+        # relay id -> monotonic time of its last answer (``relay_changes``)
+        self._relays_answered: dict[str, float] = {}
 
     @classmethod
     def default_uid(cls) -> str:
@@ -164,6 +166,13 @@ class BlockTrackerActor(xo.StatelessActor):
             self._note_answer(rank)
             return self._snapshot()
         self._mirrors[rank] = (since, time.monotonic() + wait_s + MIRROR_GRACE_S)
+        await self._wait_window(since, wait_s, self._answered.get(rank, 0.0))
+        self._note_answer(rank)
+        return self._changes_since(since)
+
+    async def _wait_window(self, since: int, wait_s: float, answered: float) -> None:
+        """Until a change after ``since`` (or ``wait_s``), then until the window
+        since the poller's last answer (monotonic ``answered``) is over."""
         if since == self._version:
             try:
                 await asyncio.wait_for(self._changed.wait(), wait_s)
@@ -172,10 +181,11 @@ class BlockTrackerActor(xo.StatelessActor):
         if self._version > since:  # not a timeout, nor ``wake_mirrors``
             # Replicas send every few tens of ms: the changes that follow this one
             # closely travel in the same answer.
-            rest = self._answered.get(rank, 0.0) + self._window_s - time.monotonic()
+            rest = answered + self._window_s - time.monotonic()
             if rest > 0:
                 await asyncio.sleep(rest)
-        self._note_answer(rank)
+
+    def _changes_since(self, since: int) -> TrackerChanges:
         if not self._log.reaches(since):
             return self._snapshot()  # the log no longer reaches back that far
         return TrackerChanges(
@@ -185,6 +195,48 @@ class BlockTrackerActor(xo.StatelessActor):
             self._address_list(),
             self._log.since(since, self._version),
         )
+
+    # ---- per-host relays (tracker_relay.py) ---------------------------------------
+
+    async def relay_changes(
+        self, relay: str, versions: dict[int, int], since: int, wait_s: float
+    ) -> TrackerChanges:
+        """``mirror_changes`` for a host's relay, which serves that host's mirrors:
+        one long poll (one answer per window) instead of one per mirror.
+        ``versions``: rank -> the version its mirror has applied (what it last
+        asked the relay from), recorded as a direct poll of that mirror would
+        record it, so that ``query_prefix`` keeps its bound. Ranks forgotten
+        meanwhile are left out: nothing of theirs may linger here."""
+        live_until = time.monotonic() + wait_s + MIRROR_GRACE_S
+        for rank, version in versions.items():
+            if rank in self._addresses and 0 <= version <= self._version:
+                self._mirrors[rank] = (version, live_until)
+        if since < 0 or since > self._version:
+            self._relays_answered[relay] = time.monotonic()
+            return self._snapshot()
+        await self._wait_window(since, wait_s, self._relays_answered.get(relay, 0.0))
+        self._relays_answered[relay] = time.monotonic()
+        return self._changes_since(since)
+
+    def snapshot(self) -> TrackerChanges:
+        """The whole index now (a relay's mirror that has no usable base)."""
+        return self._snapshot()
+
+    def update_blocks_batch(
+        self, updates: Sequence[tuple[int, Keys, Keys, bytes]]
+    ) -> list[str | None]:
+        """Several replicas' ``update_blocks`` in one call (a relay's batch), each
+        applied exactly as ``update_blocks`` applies it, in the order given. Per
+        update: None, or why it failed (one replica's error fails only its own)."""
+        errors: list[str | None] = []
+        for rank, dropped, added, located in updates:
+            try:
+                self.update_blocks(rank, dropped, added, located)
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            else:
+                errors.append(None)
+        return errors
 
     def wake_mirrors(self) -> None:
         """End every waiting poll now (with no change): a mirror that is stopping
