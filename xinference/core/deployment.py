@@ -47,6 +47,24 @@ class Deployment:
     def live_ranks(self, ranks: Iterable[int]) -> list[int]:
         return sorted(rank for rank in ranks if rank not in self.gone)
 
+    def serving_ranks(self) -> list[int]:
+        """Ranks that can answer now (not gone, not missing health probes)."""
+        return [
+            rank
+            for rank in sorted(self.models)
+            if rank not in self.gone and rank not in self.unresponsive
+        ]
+
+    def hash_namespace(self) -> str | None:
+        """The replicas' common hash namespace; they must agree or routing by
+        prefix would look up keys no replica registers."""
+        names = {replica.hash_namespace for replica in self.replicas.values()}
+        if len(names) > 1:
+            raise RuntimeError(
+                f"replicas disagree on the Xavier hash namespace: {names}"
+            )
+        return names.pop() if names else None
+
     def progress(self) -> LaunchProgress:
         state, detail = self.state, self.detail
         if state == "ready" and (self.gone or self.unresponsive):

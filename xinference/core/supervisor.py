@@ -406,7 +406,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
         record = self._record(model_uid)
         return await _all(
             _deadline(record.models[rank].report(), RPC_TIMEOUT_S)
-            for rank in _serving(record)
+            for rank in record.serving_ranks()
         )
 
     async def collect_stats(self, model_uid: str) -> list[ReplicaStats]:
@@ -416,7 +416,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
         record = self._record(model_uid)
         if record.state != "ready":
             return []
-        ranks = _serving(record)
+        ranks = record.serving_ranks()
         outcomes = await asyncio.gather(
             *(
                 _deadline(record.models[rank].stats(), STATS_TIMEOUT_S)
@@ -547,21 +547,12 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             ),
             tracker_address=self.address if record.tracker is not None else None,
             tracker_uid=tracker_uid(spec.model_uid) if record.tracker else None,
-            hash_namespace=_one_namespace(record.replicas.values()),
+            hash_namespace=record.hash_namespace(),
             created=record.created,
             model_name=spec.model_name or Path(record.model_path).name,
             quantization=dict(spec.engine.extra).get("quantization"),
             unresponsive=dict(record.unresponsive),
         )
-
-
-def _serving(record: Deployment) -> list[int]:
-    """Ranks that can answer now (not gone, not missing health probes)."""
-    return [
-        rank
-        for rank in sorted(record.models)
-        if rank not in record.gone and rank not in record.unresponsive
-    ]
 
 
 async def _launch_result(record: Deployment) -> DeploymentInfo:
@@ -582,15 +573,6 @@ def _log_background_failure(task: asyncio.Task[Any]) -> None:
     """A launch nobody waits for: its failure is logged (and shows in progress)."""
     if not task.cancelled() and task.exception() is not None:
         logger.error("background launch failed: %r", task.exception())
-
-
-def _one_namespace(replicas: Any) -> str | None:
-    """The replicas' common hash namespace; they must agree or routing by prefix
-    would look up keys no replica registers."""
-    names = {replica.hash_namespace for replica in replicas}
-    if len(names) > 1:
-        raise RuntimeError(f"replicas disagree on the Xavier hash namespace: {names}")
-    return names.pop() if names else None
 
 
 async def _deadline(call: Awaitable[T], seconds: float) -> T:
