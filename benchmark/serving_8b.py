@@ -20,8 +20,8 @@ Phases (``--phases``):
          own prefix cache) and a *miss* (a fresh prompt on B). Around each remote
          hit B's metrics are read: the load's own time where its transfer actor
          measured one (``xavier_load_seconds``: asynchronous and leased loads),
-         and whether the engine READ it itself (``xavier_direct_reads_total``:
-         the fast path's lease-free loads, which the actor does not time).
+         or where B's engine READ it itself (``xavier_direct_reads_total`` and
+         ``xavier_direct_read_seconds_total``: the fast path's lease-free loads).
 
 ``--scale`` multiplies every token count (dry runs on a CPU with a small model).
 
@@ -135,7 +135,8 @@ async def wait_listed(
 
 async def loads_on_b(http: httpx.AsyncClient, model: str) -> tuple[float, ...]:
     """Replica B's (rank 1) loads so far, from /metrics: the actor-timed ones
-    (count, seconds) and the lease-free ones its engine READ itself."""
+    (count, seconds) and the lease-free ones its engine READ itself (count,
+    seconds)."""
     samples = await scrape(http)
     labels = f'{{model_uid="{model}",rank="1"}}'
     return tuple(
@@ -144,6 +145,7 @@ async def loads_on_b(http: httpx.AsyncClient, model: str) -> tuple[float, ...]:
             "xavier_load_seconds_count",
             "xavier_load_seconds_sum",
             "xavier_direct_reads_total",
+            "xavier_direct_read_seconds_total",
         )
     )
 
@@ -158,7 +160,7 @@ async def phase_ttft3(
     rows = []
     for length in (scaled(n, args.scale, minimum=2 * block_size) for n in args.lengths):
         kinds: dict[str, list[Sample]] = defaultdict(list)
-        load_ms: list[float] = []  # per actor-timed remote hit
+        load_ms: list[float] = []  # per remote hit, as its actor or B's engine timed it
         direct = 0  # remote hits B's engine READ itself
         listed = 0
         for run in range(args.runs + 1):  # run 0 warms this length up
@@ -170,12 +172,18 @@ async def phase_ttft3(
             listed += bool(run) and found
             before = await loads_on_b(client.http, client.model)
             remote = await client.on_replica(1, prompt, 8, filler)
+            local = await client.on_replica(1, prompt, 8, filler)
+            # read after the local hit (which loads nothing): the engine reports
+            # its direct reads to its actor fire-and-forget, after the step
             after = await loads_on_b(client.http, client.model)
-            timed, seconds, reads = (a - b for a, b in zip(after, before, strict=True))
+            timed, seconds, reads, read_s = (
+                a - b for a, b in zip(after, before, strict=True)
+            )
             if run and timed:
                 load_ms.append(seconds / timed * 1e3)
+            elif run and reads:
+                load_ms.append(read_s / reads * 1e3)
             direct += bool(run) and reads > 0
-            local = await client.on_replica(1, prompt, 8, filler)
             miss = await client.on_replica(1, tokens(rng, length), 8, filler)
             if run:
                 for kind, sample in (
@@ -320,8 +328,9 @@ def report(paths: list[Path], base: str) -> str:
             continue
         out += [
             f"\nTTFT on replica B, `{label}`, median of {phases['ttft3']['runs']} runs "
-            "(load: p50 of the loads B's transfer actor timed; `-` where none was, "
-            "e.g. every load READ by B's engine on the fast path)",
+            "(load: p50 of the loads' own time, as B's transfer actor timed them or, "
+            "where B's engine READ them itself on the fast path, as the engine did; "
+            "`-` where no load was timed)",
             "| prompt tokens | local hit (ms) | remote hit (ms) | miss (ms) "
             "| remote/miss | remote - local (ms) | load (ms) | READ by B's engine "
             "| cached on remote | listed first |",

@@ -137,6 +137,12 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
         "(fast path), stale ones included",
     ),
     XavierMetric(
+        "actor.direct_read_seconds",
+        "xavier_direct_read_seconds",
+        "Seconds the engine process spent on its lease-free loads (READs, scatters "
+        "and generation checks), summed; with xavier_direct_reads, their mean",
+    ),
+    XavierMetric(
         "actor.direct_reads_stale",
         "xavier_direct_reads_stale",
         "Lease-free loads that failed because a snapshot changed on the holder "

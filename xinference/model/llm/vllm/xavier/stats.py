@@ -99,12 +99,14 @@ class ActorCounters:
     # as its last report said: all of them, and those failed as stale
     direct_reads: int = 0
     direct_reads_stale: int = 0
+    direct_read_seconds: float = 0.0  # those loads' own time, summed
 
-    def record_direct_reads(self, reads: int, stale: int) -> None:
+    def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
         """The engine process's totals so far: a report lost or overtaken is made
         good by a later one, and a counter never goes back."""
         self.direct_reads = max(self.direct_reads, reads)
         self.direct_reads_stale = max(self.direct_reads_stale, stale)
+        self.direct_read_seconds = max(self.direct_read_seconds, seconds)
 
 
 @dataclass(frozen=True, slots=True)

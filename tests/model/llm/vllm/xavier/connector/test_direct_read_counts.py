@@ -31,13 +31,13 @@ class Actor:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def record_direct_reads(self, reads: int, stale: int) -> None:
+    async def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
         self.calls += 1
         await self.gate.wait()
         if self.failures:
             self.failures -= 1
             raise ConnectionError("the actor is away")
-        self.counters.record_direct_reads(reads, stale)
+        self.counters.record_direct_reads(reads, stale, seconds)
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def counting(loop: BackgroundLoop, actor: Actor) -> tuple[DirectReadCounts, Any]
         return actor
 
     counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0)
-    reads = types.SimpleNamespace(loads=0, stale=0)
+    reads = types.SimpleNamespace(loads=0, stale=0, seconds=0.0)
     make = counts.watch(lambda kv_caches: reads)  # type: ignore[arg-type,return-value]
     assert make is not None
     make([])
@@ -72,13 +72,15 @@ def test_totals_are_sent_once_each_time_they_move(loop):
     counts.report()
     settled(counts)
     assert actor.calls == 0  # nothing read yet: nothing to send
-    reads.loads, reads.stale = 3, 1
+    reads.loads, reads.stale, reads.seconds = 3, 1, 0.004
     counts.report()
     settled(counts)
     counts.report()  # unchanged since the actor took them
     settled(counts)
     assert actor.calls == 1
-    assert (actor.counters.direct_reads, actor.counters.direct_reads_stale) == (3, 1)
+    counters = actor.counters
+    assert (counters.direct_reads, counters.direct_reads_stale) == (3, 1)
+    assert counters.direct_read_seconds == 0.004
 
 
 def test_a_failed_report_is_made_good_by_the_next(loop):
@@ -116,9 +118,10 @@ def test_the_engine_thread_never_waits_and_reports_do_not_pile_up(loop):
 
 def test_an_older_total_never_takes_a_counter_back():
     counters = ActorCounters()
-    counters.record_direct_reads(5, 2)
-    counters.record_direct_reads(4, 1)  # overtaken by the newer report
+    counters.record_direct_reads(5, 2, 0.010)
+    counters.record_direct_reads(4, 1, 0.008)  # overtaken by the newer report
     assert (counters.direct_reads, counters.direct_reads_stale) == (5, 2)
+    assert counters.direct_read_seconds == 0.010
 
 
 async def _set(event: asyncio.Event) -> None:

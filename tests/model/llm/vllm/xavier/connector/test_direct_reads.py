@@ -169,10 +169,11 @@ async def test_a_slot_reused_after_its_location_was_published_fails_the_load(hol
         assert block_bytes(cache, 6) == {7}
         assert reads.loads == 2 and reads.stale == 1
         # ... and the metrics say so, through the loader's transfer actor
-        assert await asyncio.to_thread(exported_counts, loop, reads) == {
-            "xavier_direct_reads": 2,
-            "xavier_direct_reads_stale": 1,
-        }
+        exported = await asyncio.to_thread(exported_counts, loop, reads)
+        seconds = exported.pop("xavier_direct_read_seconds")
+        assert exported == {"xavier_direct_reads": 2, "xavier_direct_reads_stale": 1}
+        # both loads' own time (READs and word checks), well inside the bound
+        assert seconds == pytest.approx(reads.seconds) and 0 < seconds < 10
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()
@@ -276,8 +277,8 @@ class CountingActor:
     def __init__(self) -> None:
         self.counters = ActorCounters()
 
-    async def record_direct_reads(self, reads: int, stale: int) -> None:
-        self.counters.record_direct_reads(reads, stale)
+    async def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
+        self.counters.record_direct_reads(reads, stale, seconds)
 
 
 def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float]:
@@ -298,7 +299,7 @@ def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float
     return {
         metric.name: lookup(stats, metric.stat) or 0
         for metric in XAVIER_METRICS
-        if metric.name.startswith("xavier_direct_reads")
+        if metric.name.startswith("xavier_direct_read")
     }
 
 

@@ -482,10 +482,10 @@ class XavierTransferActor(xo.StatelessActor):
         self._counters.connector_faults += 1
         logger.debug("rank %d: connector fault in %s", self._config.rank, where)
 
-    async def record_direct_reads(self, reads: int, stale: int) -> None:
+    async def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
         """The totals of the lease-free loads this rank's engine process READ
         itself (``connector/direct_read_counts.py``); they feed the metrics."""
-        self._counters.record_direct_reads(reads, stale)
+        self._counters.record_direct_reads(reads, stale, seconds)
 
     async def stats(self) -> XavierStats:
         """Everything this replica's Xavier side counts (``stats.XavierStats``)."""

@@ -1,7 +1,8 @@
 """The engine process's lease-free reads, counted where the metrics are.
 
-``DirectReads`` counts its loads in vLLM's engine process (``loads``, and
-``stale``: failed because a snapshot changed on the holder), while the metrics
+``DirectReads`` counts its loads in vLLM's engine process (``loads``; ``stale``:
+failed because a snapshot changed on the holder; ``seconds``: their own time,
+summed), while the metrics
 are read from the transfer actor's stats. After each step's loads the worker's
 totals are sent to its own transfer actor, fire-and-forget, so the engine thread
 never waits on it: a report is sent only when a total moved and no earlier one
@@ -37,7 +38,7 @@ class DirectReadCounts:
         self._actor = actor
         self._rpc_timeout_s = rpc_timeout_s
         self._reads: DirectReads | None = None
-        self._acknowledged = (0, 0)  # (loads, stale) the actor has
+        self._acknowledged: tuple[int, int, float] = (0, 0, 0.0)  # what the actor has
         self._sending: concurrent.futures.Future[None] | None = None
 
     def watch(self, factory: DirectReadsFactory | None) -> DirectReadsFactory | None:
@@ -56,7 +57,7 @@ class DirectReadCounts:
         reads = self._reads
         if reads is None or (self._sending is not None and not self._sending.done()):
             return
-        totals = (reads.loads, reads.stale)
+        totals = (reads.loads, reads.stale, reads.seconds)
         if totals == self._acknowledged:
             return
         try:
@@ -64,7 +65,7 @@ class DirectReadCounts:
         except RuntimeError:  # the loop is closed: shutting down
             pass
 
-    async def _send(self, totals: tuple[int, int]) -> None:
+    async def _send(self, totals: tuple[int, int, float]) -> None:
         try:
             actor = await self._actor()
             await with_deadline(actor.record_direct_reads(*totals), self._rpc_timeout_s)

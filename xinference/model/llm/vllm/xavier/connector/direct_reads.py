@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,9 @@ class DirectReads:
         self._scratch_lock: asyncio.Lock | None = None
         self.loads = 0
         self.stale = 0  # loads failed because a generation word had changed
+        # the loads' own time (their READs, scatters and word checks), summed: with
+        # ``loads``, the mean a lease-free load took, which no actor sees
+        self.seconds = 0.0
 
     # ---- setup (off any hit's path) ---------------------------------------------
 
@@ -222,6 +226,7 @@ class DirectReads:
     async def _load_one(
         self, req: LoadRequest, fence: _Fence, written: DeviceWorkMark
     ) -> Outcome:
+        started = time.perf_counter()
         transport = self._transport
         grant = req.grant
         peer = None if transport is None else transport.known_peer(grant.holder_rank)
@@ -264,6 +269,7 @@ class DirectReads:
             )
         stale = mismatches(grant.generations, words)
         self.loads += 1
+        self.seconds += time.perf_counter() - started
         if stale:
             self.stale += 1
             return StaleLoad.of(grant, stale)
