@@ -15,13 +15,17 @@ from xinference.model.llm.vllm.xavier.config import (
     XavierReplicaSettings,
 )
 from xinference.model.llm.vllm.xavier.connector.fast_path import (
+    CUDA_COPY_BYTES_PER_S,
     DEFAULT_BASE_S,
     FAST_PATH_BASE_ENV,
     FAST_PATH_ENV,
+    FAST_PATH_RATE_ENV,
+    HOST_COPY_BYTES_PER_S,
     SyncLoadPolicy,
     address_host,
     direct_reads_wanted,
     fast_path_base_s,
+    fast_path_bytes_per_s,
     fast_path_enabled,
     sync_load_policy,
 )
@@ -194,13 +198,38 @@ def test_the_launch_option_reaches_the_connectors_policy(
     )
     arrived = XavierReplicaSettings.from_dict(settings.to_dict())
     assert arrived.config.fast_path is option
-    policy = sync_load_policy(arrived)
+    policy = sync_load_policy(arrived, engine_on_cuda=False)
     assert policy.enabled is enabled and policy.lease_free
     assert policy.host == "127.0.0.1"
+    assert policy.bytes_per_s == HOST_COPY_BYTES_PER_S
     assert direct_reads_wanted(arrived) is enabled
     # tensor parallel: the bound is per load, so never synchronous
     tp = dataclasses.replace(arrived, tensor_parallel_size=2)
-    assert not sync_load_policy(tp).enabled
+    assert not sync_load_policy(tp, engine_on_cuda=True).enabled
+
+
+def test_a_cuda_engine_prices_a_loads_bytes_at_a_device_rate(monkeypatch):
+    """At the host rate no GPU-sized hit qualified: on an H100 every 512-token hit
+    of an 8B model (64 MiB) went asynchronous. At the CUDA rate it is bounded
+    within the cap; a 2,048-token one (256 MiB) is not, unless the host says its
+    copies are faster."""
+    monkeypatch.delenv(FAST_PATH_RATE_ENV, raising=False)
+    per_token = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B: layers, KV heads, head dim, K+V, bf16
+    addr = "nixl://holder:1"
+    host = policy(bytes_per_s=fast_path_bytes_per_s(engine_on_cuda=False))
+    cuda = policy(bytes_per_s=fast_path_bytes_per_s(engine_on_cuda=True))
+    assert cuda.bytes_per_s == CUDA_COPY_BYTES_PER_S
+    assert host.bound_s(addr, (DEVICE_TIER,), 512 * per_token) is None
+    bound = cuda.bound_s(addr, (DEVICE_TIER,), 512 * per_token)
+    assert bound is not None and bound == pytest.approx(0.002 + 512 * per_token / 25e9)
+    assert cuda.bound_s(addr, (DEVICE_TIER,), 2048 * per_token) is None
+    monkeypatch.setenv(FAST_PATH_RATE_ENV, "100")
+    faster = policy(bytes_per_s=fast_path_bytes_per_s(engine_on_cuda=True))
+    assert faster.bound_s(addr, (DEVICE_TIER,), 2048 * per_token) is not None
+    for bad in ("0", "-3", "fast", "inf"):
+        monkeypatch.setenv(FAST_PATH_RATE_ENV, bad)
+        with pytest.raises(ValueError, match=FAST_PATH_RATE_ENV):
+            fast_path_bytes_per_s(engine_on_cuda=True)
 
 
 def test_a_replica_settings_dict_with_a_non_boolean_fast_path_is_refused():

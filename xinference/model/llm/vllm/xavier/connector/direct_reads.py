@@ -121,7 +121,14 @@ class DirectReads:
             self._transport = await NixlDirectTransport.create(
                 f"{self._name}-engine",
                 geometry,
-                torch.empty((0, geometry.layer_block_nbytes), dtype=torch.uint8),
+                # no tier of its own; the empty rows put the receive slab on the
+                # engine's device, so a CUDA holder's rows move VRAM to VRAM
+                # (cuda_ipc) instead of through host memory
+                torch.empty(
+                    (0, geometry.layer_block_nbytes),
+                    dtype=torch.uint8,
+                    device=self._cache.device,
+                ),
                 rpc_timeout_s=self._rpc_timeout_s,
                 transfer_timeout_s=TRANSFER_TIMEOUT_S,
                 placement=PLACEMENT_SLAB,

@@ -26,6 +26,14 @@ its bound is recomputed, so on such a host it costs a recomputation instead of
 saving passes.
 ``XAVIER_FAST_PATH_BASE_MS`` sets the fixed part of the bound (default 2 ms; a host
 whose Python is slow needs more), within the 10 ms cap.
+
+The bytes' part is priced at a rate that any two devices of one host reach: 1 GB/s
+between host processes (vLLM on CPU: shared memory through a Python scatter), and
+25 GB/s between CUDA devices (PCIe peer copies; NVLink and copies within one GPU
+run 10-60x faster). At 1 GB/s no GPU-sized load ever qualified: on an H100 a 512-token
+hit of an 8B model is 64 MiB, 67 ms at that rate, so every hit went asynchronous
+(benchmark/results/fast-path.md, 2026-12-05 evening). ``XAVIER_FAST_PATH_GBPS``
+overrides the rate, e.g. for a host whose replicas share one GPU.
 """
 
 from __future__ import annotations
@@ -41,8 +49,11 @@ from ..wire import DEVICE_TIER
 
 FAST_PATH_ENV = "XAVIER_FAST_PATH"
 FAST_PATH_BASE_ENV = "XAVIER_FAST_PATH_BASE_MS"
+FAST_PATH_RATE_ENV = "XAVIER_FAST_PATH_GBPS"
 DEFAULT_BASE_S = 0.002  # fixed cost of a bounded load: one call, one fence
 MAX_BOUND_S = 0.010  # no synchronous wait is longer than this
+HOST_COPY_BYTES_PER_S = 1e9  # between host processes, through Python
+CUDA_COPY_BYTES_PER_S = 25e9  # between CUDA devices of one host, PCIe at worst
 
 
 def fast_path_enabled(explicit: bool | None = None) -> bool:
@@ -72,6 +83,24 @@ def fast_path_base_s() -> float:
     return base_ms / 1e3
 
 
+def fast_path_bytes_per_s(engine_on_cuda: bool) -> float:
+    """The rate a bounded load's bytes are priced at: the environment's
+    (``XAVIER_FAST_PATH_GBPS``, decimal gigabytes per second) when set, else the
+    conservative one for where the engine's KV lives."""
+    raw = os.environ.get(FAST_PATH_RATE_ENV, "").strip()
+    if not raw:
+        return CUDA_COPY_BYTES_PER_S if engine_on_cuda else HOST_COPY_BYTES_PER_S
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = -1.0
+    if not 0 < rate < float("inf"):
+        raise ValueError(
+            f"{FAST_PATH_RATE_ENV} must be a positive number of GB/s, got {raw!r}"
+        )
+    return rate * 1e9
+
+
 def address_host(address: str) -> str:
     """The host of an xoscar address (``nixl://127.0.0.1:1234`` -> ``127.0.0.1``)."""
     parsed = urlsplit(address if "://" in address else f"//{address}")
@@ -85,7 +114,7 @@ class SyncLoadPolicy:
     enabled: bool
     host: str  # this replica's transfer actor's host
     base_s: float = DEFAULT_BASE_S
-    bytes_per_s: float = 1e9  # a conservative copy rate on one host
+    bytes_per_s: float = HOST_COPY_BYTES_PER_S  # a conservative rate on one host
     max_s: float = MAX_BOUND_S
     backoff_s: float = 30.0
     # the worker READs lease-free grants itself (NIXL between the actors): a hit
@@ -127,14 +156,18 @@ class SyncLoadPolicy:
         self._backed_off[holder_address] = time.monotonic() + self.backoff_s
 
 
-def sync_load_policy(options: XavierReplicaSettings) -> SyncLoadPolicy:
-    """The scheduler half's policy for a replica launched with ``options``."""
+def sync_load_policy(
+    options: XavierReplicaSettings, engine_on_cuda: bool
+) -> SyncLoadPolicy:
+    """The scheduler half's policy for a replica launched with ``options`` whose
+    engine keeps its KV on a CUDA device (``engine_on_cuda``) or in host memory."""
     return SyncLoadPolicy(
         # the bound is per load; a tensor-parallel one is N loads
         enabled=fast_path_enabled(options.config.fast_path)
         and options.tensor_parallel_size == 1,
         host=address_host(options.transfer_address),
         base_s=fast_path_base_s(),
+        bytes_per_s=fast_path_bytes_per_s(engine_on_cuda),
         lease_free=options.config.transport == "nixl",
     )
 

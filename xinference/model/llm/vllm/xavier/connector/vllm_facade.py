@@ -200,7 +200,9 @@ class XavierConnector(KVConnectorBase_V1):
                 load_async=load_async,
                 rpc_timeout_s=options.rpc_timeout_s,
                 remote_loads=options.config.remote_loads,
-                sync_loads=sync_load_policy(options),
+                sync_loads=sync_load_policy(
+                    options, engine_on_cuda=vllm_config.device_config.device_type == "cuda"
+                ),
             )
             mirror = TrackerMirror(
                 self._mirror_changes, rpc_timeout_s=options.rpc_timeout_s
