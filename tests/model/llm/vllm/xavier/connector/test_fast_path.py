@@ -214,7 +214,9 @@ def test_a_cuda_engine_prices_a_loads_bytes_at_a_device_rate(monkeypatch):
     within the cap; a 2,048-token one (256 MiB) is not, unless the host says its
     copies are faster."""
     monkeypatch.delenv(FAST_PATH_RATE_ENV, raising=False)
-    per_token = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B: layers, KV heads, head dim, K+V, bf16
+    per_token = (
+        32 * 8 * 128 * 2 * 2
+    )  # Llama-3.1-8B: layers, KV heads, head dim, K+V, bf16
     addr = "nixl://holder:1"
     host = policy(bytes_per_s=fast_path_bytes_per_s(engine_on_cuda=False))
     cuda = policy(bytes_per_s=fast_path_bytes_per_s(engine_on_cuda=True))

@@ -201,7 +201,8 @@ class XavierConnector(KVConnectorBase_V1):
                 rpc_timeout_s=options.rpc_timeout_s,
                 remote_loads=options.config.remote_loads,
                 sync_loads=sync_load_policy(
-                    options, engine_on_cuda=vllm_config.device_config.device_type == "cuda"
+                    options,
+                    engine_on_cuda=vllm_config.device_config.device_type == "cuda",
                 ),
             )
             mirror = TrackerMirror(
