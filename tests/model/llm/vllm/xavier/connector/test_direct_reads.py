@@ -23,6 +23,7 @@ import torch
 import xoscar as xo
 
 from xinference.core.metrics import XAVIER_METRICS, lookup
+from xinference.core.placement import DEFAULT_UCX_TLS, UCX_MEMTYPE_CACHE
 from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
 from xinference.model.llm.vllm.xavier.connector.direct_read_counts import (
     DirectReadCounts,
@@ -234,16 +235,34 @@ async def test_a_stale_block_in_the_middle_fails_only_from_itself_on(holder):
         loop.close()
 
 
+# The UCX environment the launch path gives every replica on a CUDA host
+# (core/placement.py): only tcp between host buffers of two processes.
+LAUNCH_UCX_ON_CUDA = {
+    "UCX_TLS": DEFAULT_UCX_TLS,
+    "UCX_MEMTYPE_CACHE": UCX_MEMTYPE_CACHE,
+}
+
+
 @pytest.mark.cuda
 @CUDA_SKIP
-@pytest.mark.parametrize("holder", [{"device": "cuda"}], indirect=True)
+@pytest.mark.parametrize(
+    "holder",
+    [{"device": "cuda"}, {"device": "cuda", **LAUNCH_UCX_ON_CUDA}],
+    indirect=True,
+    ids=["ucx-defaults", "launch-ucx"],
+)
 async def test_a_holder_with_its_device_tier_on_a_gpu_serves_lease_free_loads(
-    holder,
+    holder, request, monkeypatch
 ):
     """The holder's rows are in VRAM, its generation words in host memory: it
     serves the words (so its transfer actor publishes locations), a lease-free
     load of its rows lands in engine blocks on the GPU, and one whose slot was
-    reused after the location was learned is failed, not reported loaded."""
+    reused after the location was learned is failed, not reported loaded. Also
+    with the UCX settings of a real launch (both processes): the engine's
+    reader must READ host words where only tcp joins host buffers."""
+    if "launch-ucx" in request.node.callspec.id:
+        for name, value in LAUNCH_UCX_ON_CUDA.items():
+            monkeypatch.setenv(name, value)  # the reader's agent, in this process
     ref, address = holder
     assert await ref.serves_generation_words()
     first, other = [await ref.put(i) for i in (3, 4)]  # the device tier is full

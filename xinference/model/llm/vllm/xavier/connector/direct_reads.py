@@ -132,6 +132,7 @@ class DirectReads:
                 rpc_timeout_s=self._rpc_timeout_s,
                 transfer_timeout_s=TRANSFER_TIMEOUT_S,
                 placement=PLACEMENT_SLAB,
+                reads_peer_words=True,
             )
         except Exception as exc:
             logger.warning(

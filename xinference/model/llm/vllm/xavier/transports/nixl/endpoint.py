@@ -34,6 +34,7 @@ from .row_lists import RowLists
 from .ucx import (
     PROGRESS_THREAD_DELAY_US,
     VRAM_UCX_SETTINGS,
+    WORDS_READER_UCX_SETTINGS,
     UcxReport,
     _progress_thread_delay,
     log_endpoint_start,
@@ -95,6 +96,7 @@ class NixlAgentEndpoint:
         engine_layers: Sequence[torch.Tensor] | None = None,
         engine_block_axis: int | None = None,
         words: torch.Tensor | None = None,
+        reads_peer_words: bool = False,
     ) -> None:
         """Checks and allocations only; ``create`` also starts the agent.
 
@@ -103,6 +105,9 @@ class NixlAgentEndpoint:
         engine's per-layer KV tensors as mapped here, with their block axis.
         ``words``: the device tier's generation words, published with the rows
         in whatever memory they are in (host memory, even for a tier on a GPU).
+        ``reads_peer_words``: this endpoint READs peers' generation words (the
+        engine process's reader): on VRAM its agent gets
+        ``WORDS_READER_UCX_SETTINGS`` instead of ``VRAM_UCX_SETTINGS``.
         """
         if row_bytes <= 0 or slab_bytes < row_bytes:
             raise ValueError(
@@ -141,6 +146,7 @@ class NixlAgentEndpoint:
         self._nixl_errors = _nixl_errors()
         self._store_rows = store_rows
         self._words = words
+        self._reads_peer_words = reads_peer_words
         self._published: PublishedMemory | None = None  # once the agent exists
         # Zeroed once, so a slab never exposes stale memory.
         self._slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=self.device)
@@ -175,6 +181,7 @@ class NixlAgentEndpoint:
         engine_layers: Sequence[torch.Tensor] | None = None,
         engine_block_axis: int | None = None,
         words: torch.Tensor | None = None,
+        reads_peer_words: bool = False,
     ) -> NixlAgentEndpoint:
         """A started endpoint: agent created, memory registered, UCX reported.
 
@@ -187,6 +194,7 @@ class NixlAgentEndpoint:
             engine_layers=engine_layers,
             engine_block_axis=engine_block_axis,
             words=words,
+            reads_peer_words=reads_peer_words,
         )
         await asyncio.to_thread(self._start)
         return self
@@ -196,7 +204,13 @@ class NixlAgentEndpoint:
     def _start(self) -> None:
         import nixl._api as api  # type: ignore[import-not-found]
 
-        settings = VRAM_UCX_SETTINGS if self.device.type == "cuda" else ()
+        settings: tuple[tuple[str, str], ...] = ()
+        if self.device.type == "cuda":
+            settings = (
+                WORDS_READER_UCX_SETTINGS
+                if self._reads_peer_words
+                else VRAM_UCX_SETTINGS
+            )
         self.progress_delay_us = progress_thread_delay_us()
         with (
             ucx_settings(settings) as applied,

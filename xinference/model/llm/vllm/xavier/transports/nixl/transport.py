@@ -158,6 +158,7 @@ class NixlDirectTransport:
         locate_rows: LocateRows | None = None,
         engine_read_policy: EngineReadPolicy = engine_reads_are_bounded,
         generation_words: torch.Tensor | None = None,
+        reads_peer_words: bool = False,
     ) -> NixlDirectTransport:
         """An endpoint for this actor's memory and a transport over it.
 
@@ -182,6 +183,7 @@ class NixlDirectTransport:
             engine_layers=engine_layers if use_engine else None,
             engine_block_axis=engine_block_axis if use_engine else None,
             words=generation_words,
+            reads_peer_words=reads_peer_words,
         )
         return cls(
             endpoint,

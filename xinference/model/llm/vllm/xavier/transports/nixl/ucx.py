@@ -42,6 +42,15 @@ VRAM_UCX_SETTINGS = (
     ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on"),
     ("UCX_PROTO_EMULATION_ENABLE", "n"),
 )
+# What the engine process's reader (``connector/direct_reads.py``) creates its agent
+# with on VRAM: get zero-copy as above, emulation left on. It READs peers'
+# generation words, which live in host memory, and the launch path's UCX_TLS on a
+# CUDA host (tcp,cuda_copy,cuda_ipc) leaves only tcp between the host buffers of
+# two processes, which READs only through emulation: with emulation off every words
+# READ failed ("No zero-copy protocol found for get into host from host", an H100,
+# 2026-12-05). Its row READs need no such guard: each one is inside the fast path's
+# hard bound, past which its blocks are recomputed.
+WORDS_READER_UCX_SETTINGS = (("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on"),)
 # How long the agent's progress thread waits for UCX events when it has nothing to
 # do, in microseconds. NIXL 1.5's Python ``nixl_agent`` creates every agent with 0,
 # which makes the thread busy-poll: each idle agent keeps one core busy, one agent
