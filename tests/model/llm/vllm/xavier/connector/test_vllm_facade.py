@@ -204,6 +204,7 @@ def test_a_request_finished_in_its_load_step_gets_its_workers_counts():
     half = Raising(
         request_finished=params,
         record_load_round_trips=None,
+        loads_stale=None,
         loads_failed=None,
         close=None,
     )
