@@ -24,7 +24,7 @@ from vllm.v1.outputs import (  # noqa: E402
     KVConnectorOutput,
 )
 
-from xinference.model.llm.vllm.xavier.connector.vllm_facade import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.connector.vllm_metadata import (  # noqa: E402
     XavierWorkerMetadata,
 )
 from xinference.model.llm.vllm.xavier.wire import (  # noqa: E402

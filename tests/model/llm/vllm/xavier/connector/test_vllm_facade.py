@@ -33,9 +33,11 @@ from xinference.model.llm.vllm.xavier.connector.vllm_compat import (  # noqa: E4
 )
 from xinference.model.llm.vllm.xavier.connector.vllm_facade import (  # noqa: E402
     XavierConnector,
+    _log_where_the_engine_logs,
+)
+from xinference.model.llm.vllm.xavier.connector.vllm_metadata import (  # noqa: E402
     XavierConnectorMetadata,
     XavierWorkerMetadata,
-    _log_where_the_engine_logs,
 )
 
 from .test_vllm_compat import PLAIN, vllm_config

@@ -524,4 +524,4 @@ def test_aborted_async_load_is_reported_once_its_writes_end(cluster, loop):
         finished |= pair.loader.get_finished({"r4"})[1] or set()
         time.sleep(0.02)
     assert finished == {"r4"}
-    assert pair.loader._in_flight == {}
+    assert pair.loader._loads.in_flight == {}

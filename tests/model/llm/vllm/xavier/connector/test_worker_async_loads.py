@@ -229,7 +229,7 @@ def test_an_aborted_load_is_cancelled_and_reported_once_its_writes_end(loop):
     assert actor.calls == ["run_load", "cancel_load"]
     for block, old in zip((6, 7), before, strict=True):
         assert torch.equal(target.read_block(block), old)
-    assert worker._in_flight == {}
+    assert worker._loads.in_flight == {}
 
 
 def test_a_load_posted_after_the_loop_closed_is_reported_failed(loop):
@@ -254,4 +254,4 @@ def test_close_with_a_posted_load_in_flight_does_not_hang(loop):
     # two RPC deadlines for the cancel, the loop's own timeout, and slack
     assert time.monotonic() - began < 2 * 0.5 + 2.0 + 1.0
     assert actor.calls == ["run_load", "cancel_load"]
-    assert worker._in_flight == {}
+    assert worker._loads.in_flight == {}

@@ -139,12 +139,12 @@ def test_an_undone_demotion_republishes_under_a_new_generation(monkeypatch):
     store = make_store(device_blocks=1)
     put(store, 1)
     before = store.device_location(key(1))
-    from xinference.model.llm.vllm.xavier.store import tiered
+    from xinference.model.llm.vllm.xavier.store import demotions
 
     def failing_copy(*args, **kwargs):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(tiered, "copy_snapshot_rows", failing_copy)
+    monkeypatch.setattr(demotions, "copy_snapshot_rows", failing_copy)
     with pytest.raises(RuntimeError, match="copy failed"):
         store.begin_stage_batch([key(2)], "bfloat16")
     after = store.device_location(key(1))

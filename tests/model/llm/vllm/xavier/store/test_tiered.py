@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from xinference.model.llm.vllm.xavier.stats import StoreStats
-from xinference.model.llm.vllm.xavier.store import tiered as tiered_snapshot
+from xinference.model.llm.vllm.xavier.store import demotions
 from xinference.model.llm.vllm.xavier.store.tiered import (
     StageSlot,
     TieredKVSnapshotStore,
@@ -391,7 +391,7 @@ def test_failed_demotion_copy_leaves_the_snapshot_whole(monkeypatch):
     def broken_copy(device):
         raise RuntimeError("injected copy fault")
 
-    monkeypatch.setattr(tiered_snapshot, "fence", broken_copy)
+    monkeypatch.setattr(demotions, "fence", broken_copy)
     with pytest.raises(RuntimeError, match="injected copy fault"):
         store.begin_stage(key(2), "bfloat16")
     assert tier_of(store, 1) == DEVICE_TIER
@@ -424,7 +424,7 @@ def test_a_batch_copies_its_demotions_together_and_undoes_them_on_a_fault(
     def broken_fence(device):
         raise RuntimeError("injected copy fault")
 
-    monkeypatch.setattr(tiered_snapshot, "fence", broken_fence)
+    monkeypatch.setattr(demotions, "fence", broken_fence)
     with pytest.raises(RuntimeError, match="injected copy fault"):
         store.begin_stage_batch([key(5), key(6)], "bfloat16")
     assert [tier_of(store, i) for i in (3, 4)] == [DEVICE_TIER] * 2

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..aio import BackgroundLoop
-from ..hashing import BlockHash, extend_full_blocks, hash_full_blocks
+from ..hashing import extend_full_blocks
 from ..tracker_mirror import TrackerMirror
 from ..wire import LoadRequest, PrefixHit, ReplicaIdentity, StageItem
 from .fast_path import SyncLoadPolicy
 from .lease_free import lease_free_reservation
+from .request_state import RequestState
 from .reservations import (
     PendingReservation,
     QueryPrefix,
@@ -78,50 +79,6 @@ class SchedulerSettings:
     sync_loads: SyncLoadPolicy | None = None
 
 
-@dataclass(slots=True)
-class _RequestState:
-    # The request's tokens, prompt first: a read-only view that vLLM extends with
-    # each generated token (or a copy of the prompt when none was handed over).
-    tokens: Sequence[int]
-    num_prompt_tokens: int
-    # Chain hashes of the full blocks of ``tokens`` hashed so far (the prompt's
-    # from the start, generated blocks as they fill): keys[i] names exactly the
-    # tokens of block i and everything before it.
-    keys: list[BlockHash]
-    staged_upto: int = 0  # blocks [0, staged_upto) need no staging here
-    reservation: Reservation | None = None
-    # asked of a holder, not answered yet (vLLM was told to ask again)
-    pending: PendingReservation | None = None
-    holder_rank: int | None = None
-    loaded_into: tuple[int, ...] = ()  # the engine blocks its load writes
-    # The load planned for the request, started or not: its first block position
-    # and the engine blocks from there (None: no destination). A failed one is
-    # recomputed by vLLM from its first failed block, which is staged again.
-    load_first: int = 0
-    load_blocks: tuple[int | None, ...] = ()
-    # group 0's block table, position -> block id, rebuilt from each step's
-    # scheduler output; None until vLLM has sent the whole table once
-    block_ids: list[int] | None = None
-    # A load was planned (or failed to be): the request never gets a second one,
-    # so a load that keeps failing cannot make vLLM retry it forever.
-    load_attempted: bool = False
-    # Counted for benchmarks (reported with the request's output): the engine
-    # pass in which vLLM first asked about the request, the passes from there
-    # until its first forward, and the round trips to actors on that path.
-    asked_at_pass: int = 0
-    passes_waited: int | None = None
-    passes_deferred: int = 0  # of those, answered "ask again" (holder slow)
-    round_trips: int = 0
-    load_s: float | None = None  # its load's own time, as the worker measured it
-    # How vLLM was told the request's hit loads: asynchronously, or synchronously
-    # within ``answered_bound_s`` (None: the whole load deadline)
-    answered_async: bool = False
-    answered_bound_s: float | None = None
-    load_holder_address: str | None = None
-    # its lease-free load found stale locations: not its holder's fault
-    load_stale: bool = False
-
-
 class SchedulerSide:
     """Per-engine scheduler state of the Xavier connector (single-threaded use)."""
 
@@ -137,7 +94,7 @@ class SchedulerSide:
         self._settings = settings
         self._identity: ReplicaIdentity | None = None
         # req_id -> per-request state, from the first lookup to request_finished
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         # loads decided since the last step was built
         self._new_loads: list[RequestLoad] = []
         self._passes = 0  # steps built so far: one per pass of vLLM's scheduler
@@ -265,7 +222,7 @@ class SchedulerSide:
         return answer
 
     def _answer(
-        self, state: _RequestState, reservation: Reservation
+        self, state: RequestState, reservation: Reservation
     ) -> tuple[int, bool]:
         tokens = len(reservation.grant.keys) * self._settings.block_size
         bound = None
@@ -283,7 +240,7 @@ class SchedulerSide:
         return tokens, state.answered_async
 
     def _settle(
-        self, state: _RequestState, pending: PendingReservation
+        self, state: RequestState, pending: PendingReservation
     ) -> tuple[int | None, bool]:
         """What to tell vLLM about ``pending``: ask again while it is unanswered,
         else the hit it became (standing in ``state.reservation``) or a miss."""
@@ -426,14 +383,7 @@ class SchedulerSide:
         if not block_ids:
             return
         for state in self._requests.values():
-            failed_at = next(
-                (
-                    state.load_first + offset
-                    for offset, block in enumerate(state.load_blocks)
-                    if block in block_ids
-                ),
-                None,
-            )
+            failed_at = state.first_failed(block_ids)
             if failed_at is None:
                 continue
             if state.loaded_into:
@@ -586,19 +536,7 @@ class SchedulerSide:
         policy = self._settings.sync_loads
         if policy is not None and state.load_holder_address is not None:
             policy.met(state.load_holder_address)  # its load was not failed
-        return {
-            "xavier_external_tokens": len(state.loaded_into)
-            * self._settings.block_size,
-            "xavier_holder_rank": state.holder_rank,
-            # counted, for benchmarks: passes from vLLM's first question to the
-            # request's first forward, and actor round trips on that path
-            "xavier_passes_waited": state.passes_waited,
-            "xavier_passes_deferred": state.passes_deferred,
-            "xavier_round_trips": state.round_trips,
-            # from start_load_kv taking the load up to its blocks landed (None:
-            # not reported, e.g. an older worker)
-            "xavier_load_ms": None if state.load_s is None else state.load_s * 1e3,
-        }
+        return state.output(self._settings.block_size)
 
     def close(self) -> None:
         """Release every standing reservation (waits at most one RPC deadline)."""
@@ -614,27 +552,21 @@ class SchedulerSide:
         req_id: str,
         prompt_token_ids: Sequence[int],
         all_token_ids: Sequence[int] | None,
-    ) -> _RequestState:
+    ) -> RequestState:
         state = self._requests.get(req_id)
         if state is None:
-            prompt = list(prompt_token_ids)
-            if (
-                all_token_ids is not None
-                and list(all_token_ids[: len(prompt)]) != prompt
-            ):
-                raise ValueError(
-                    f"request {req_id}: its token sequence does not start with its "
-                    "prompt"
-                )
-            keys = hash_full_blocks(
-                prompt, self._settings.block_size, self._settings.namespace
+            state = RequestState.first_asked(
+                req_id,
+                prompt_token_ids,
+                all_token_ids,
+                self._settings.block_size,
+                self._settings.namespace,
+                self._passes,
             )
-            tokens = prompt if all_token_ids is None else all_token_ids
-            state = _RequestState(tokens, len(prompt), keys, asked_at_pass=self._passes)
             self._requests[req_id] = state
         return state
 
-    def _drop_reservation(self, state: _RequestState) -> None:
+    def _drop_reservation(self, state: RequestState) -> None:
         """Let go of the request's reservation, standing or still unanswered."""
         reservation, state.reservation = state.reservation, None
         if reservation is not None:

@@ -54,13 +54,11 @@ from .engine_time import EngineTime, timed
 from .fast_path import direct_reads_wanted, sync_load_policy
 from .faults import ConnectorFaults
 from .ranks import (
-    merge_round_trips,
     release_every_rank,
     reserve_every_rank,
     step_for_rank,
 )
 from .scheduler import SchedulerSettings, SchedulerSide
-from .stale_loads import StaleLoad, merge_stale_loads
 from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
     FinishedParams,
@@ -72,6 +70,7 @@ from .vllm_compat import (
     tensor_parallel_rank,
     warn_if_untested,
 )
+from .vllm_metadata import XavierConnectorMetadata, XavierWorkerMetadata
 from .worker import WorkerSettings, WorkerSide
 
 if TYPE_CHECKING:
@@ -103,44 +102,6 @@ def _log_where_the_engine_logs() -> None:
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     ours.addHandler(handler)
     ours.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
-
-
-class XavierConnectorMetadata(KVConnectorMetadata):
-    """One step's plan, scheduler -> workers."""
-
-    def __init__(self, step: StepMetadata) -> None:
-        self.step = step
-
-
-class XavierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the replica identity, once the caches are mapped; of
-    the loads that ended, the actor round trips (req_id -> count) and their own
-    time (req_id -> seconds); and the lease-free loads that found stale
-    locations (req_id -> ``StaleLoad``)."""
-
-    def __init__(
-        self,
-        identity: ReplicaIdentity | None,
-        round_trips: dict[str, int] | None = None,
-        load_seconds: dict[str, float] | None = None,
-        stale_loads: dict[str, StaleLoad] | None = None,
-    ) -> None:
-        self.identity = identity
-        self.round_trips = round_trips or {}
-        self.load_seconds = load_seconds or {}
-        self.stale_loads = stale_loads or {}
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Tensor-parallel ranks: the identity any rank reported (every rank's
-        shard has the same geometry), each load's largest round-trip count."""
-        if not isinstance(other, XavierWorkerMetadata):
-            return self
-        return XavierWorkerMetadata(
-            self.identity or other.identity,
-            merge_round_trips(self.round_trips, other.round_trips),
-            merge_round_trips(self.load_seconds, other.load_seconds),
-            merge_stale_loads(self.stale_loads, other.stale_loads),
-        )
 
 
 class XavierConnector(KVConnectorBase_V1):
@@ -441,13 +402,11 @@ class XavierConnector(KVConnectorBase_V1):
             meta = connector_output.kv_connector_worker_meta
             if not isinstance(meta, XavierWorkerMetadata):
                 meta = XavierWorkerMetadata(None)
-            if meta.identity is not None:
-                self._scheduler.set_identity(meta.identity)
-            self._scheduler.record_load_round_trips(meta.round_trips, meta.load_seconds)
-            self._finished_params.complete(meta.round_trips, meta.load_seconds)
-            # before the failed blocks: a stale load's holder is not at fault
-            self._scheduler.loads_stale(meta.stale_loads)
-            self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
+            meta.deliver(
+                self._scheduler,
+                self._finished_params,
+                set(connector_output.invalid_block_ids),
+            )
         except Exception as exc:
             self._faults.record("update_connector_output", exc)
 
@@ -569,14 +528,7 @@ class XavierConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
-        identity = self._worker.take_identity_report()
-        ended = self._worker.take_ended_loads()
-        stale_loads = self._worker.take_stale_loads()
-        if identity is None and not ended.round_trips and not stale_loads:
-            return None
-        return XavierWorkerMetadata(
-            identity, ended.round_trips, ended.seconds, stale_loads
-        )
+        return XavierWorkerMetadata.taken_from(self._worker)
 
     def shutdown(self) -> None:
         self._engine_time.log()

@@ -15,7 +15,8 @@ by the model runner once per step. It
   writes next can overtake them, and hands the ring slots to the actor, which
   snapshots and publishes them in the background (``staging_ring.py`` says why);
 - reports finished loads (aborted requests included, once their in-flight writes
-  are over) and the blocks whose load failed, so vLLM recomputes them.
+  are over) and the blocks whose load failed, so vLLM recomputes them (the
+  bookkeeping: ``load_outcomes.py``).
 
 Every call into the actor carries a deadline. A failure to load is reported as data
 (failed block ids); a failure to stage only costs a future hit and is logged.
@@ -28,7 +29,7 @@ import collections
 import concurrent.futures
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from ..engine.layout import detect_layout
 from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import EndedLoads, InFlightLoad, PostedLoads, cancel_quietly
+from .load_outcomes import LoadOutcomes
 from .staging_ring import RingStaging, StagingRing
 from .stale_loads import StaleLoad
 from .step import RequestLoad, StepMetadata
@@ -103,18 +105,11 @@ class WorkerSide:
         self._last_map_attempt = float("-inf")
         self._map_failures = 0
         self._closed = False
-        # load_id -> load not yet reported finished
-        self._in_flight: dict[str, InFlightLoad] = {}
+        # loads in flight, and what became of those that ended, until reported
+        self._loads = LoadOutcomes()
         self._posted = PostedLoads(
             loop, settings.rpc_timeout_s, settings.load_timeout_s
         )
-        # requests whose load ended (or never started) but are not yet reported
-        self._finished_recving: set[str] = set()
-        self._load_errors: set[int] = set()
-        # round trips and own time of the ended loads, until the scheduler is told
-        self._ended = EndedLoads()
-        # req_id -> its lease-free load's stale blocks, until the scheduler is told
-        self._stale_loads: dict[str, StaleLoad] = {}
         self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
         # ring stagings handed to the actor, oldest first
@@ -262,12 +257,14 @@ class WorkerSide:
         loads = [item for item in step.loads if item.load is not None]
         for item in step.loads:
             if item.load is None:  # the scheduler could not plan it
-                self._fail(item.req_id, item.failed_block_ids, item.is_async(default))
+                self._loads.fail(
+                    item.req_id, item.failed_block_ids, item.is_async(default)
+                )
         if not loads:
             return
         for item in loads:
             assert item.load is not None
-            self._in_flight[item.load.load_id] = InFlightLoad(
+            self._loads.in_flight[item.load.load_id] = InFlightLoad(
                 item.req_id,
                 item.load.dst_block_ids,
                 not item.is_async(default),
@@ -276,7 +273,7 @@ class WorkerSide:
         # lease-free loads: READ here, no actor call (direct_reads.py)
         outcomes, loads = run_lease_free(self._direct, loads)
         for load_id, error in outcomes.items():
-            self._load_ended(load_id, error)
+            self._loads.ended(load_id, error)
         for item in loads:
             if item.is_async(default) and item.load is not None:
                 # posted, not waited for: its completion is pushed (get_finished)
@@ -294,7 +291,7 @@ class WorkerSide:
                 self._start_and_wait_all(waited),
                 self._settings.load_timeout_s + self._settings.rpc_timeout_s,
             )
-            late = [r.load_id for r in waited if r.load_id in self._in_flight]
+            late = [r.load_id for r in waited if r.load_id in self._loads.in_flight]
             if late:
                 # Past the deadline: stop them (their writes finish first) and let
                 # vLLM recompute the blocks.
@@ -302,7 +299,7 @@ class WorkerSide:
                     self._cancel_all(late), self._settings.rpc_timeout_s * 2
                 )
                 for load_id in late:
-                    self._load_ended(load_id, "no result before the load deadline")
+                    self._loads.ended(load_id, "no result before the load deadline")
 
     def _load_within_bounds(self, items: Sequence[RequestLoad]) -> None:
         """The fast path: each load in one call to the actor, which gives up at
@@ -322,7 +319,7 @@ class WorkerSide:
                     "Xavier: bounded load %s failed: %r", item.load.load_id, exc
                 )
                 return
-            self._load_ended(item.load.load_id, result)
+            self._loads.ended(item.load.load_id, result)
 
         async def load_all() -> None:
             await asyncio.gather(*(load_one(item) for item in items))
@@ -331,16 +328,16 @@ class WorkerSide:
         late = [
             item.load.load_id
             for item in items
-            if item.load is not None and item.load.load_id in self._in_flight
+            if item.load is not None and item.load.load_id in self._loads.in_flight
         ]
         if late:
             self._run_actor(self._fence_all(late), self._settings.rpc_timeout_s)
             for load_id in late:
-                self._load_ended(load_id, "no result within the synchronous bound")
+                self._loads.ended(load_id, "no result within the synchronous bound")
 
     async def _fence_all(self, load_ids: Sequence[str]) -> None:
         async def fence(load_id: str) -> None:
-            self._in_flight[load_id].round_trips += 1
+            self._loads.in_flight[load_id].round_trips += 1
             await self._actor.fence_load(load_id)
 
         await asyncio.gather(*(fence(i) for i in load_ids))
@@ -351,12 +348,12 @@ class WorkerSide:
         )
         for request, result in zip(requests, results, strict=True):
             if isinstance(result, BaseException):
-                self._load_ended(request.load_id, f"start failed: {result!r}")
+                self._loads.ended(request.load_id, f"start failed: {result!r}")
 
         async def wait_one(load_id: str) -> None:
-            if load_id not in self._in_flight:
+            if load_id not in self._loads.in_flight:
                 return  # failed to start, already recorded
-            load = self._in_flight[load_id]
+            load = self._loads.in_flight[load_id]
             load.round_trips += 1
             try:
                 result: LoadResult = await self._actor.wait_load(
@@ -366,9 +363,9 @@ class WorkerSide:
                 # A load we stop waiting for may still be writing: cancel waits
                 # for its in-flight writes before the blocks can be reused.
                 await self._cancel_quietly(load_id)
-                self._load_ended(load_id, f"wait failed: {exc!r}")
+                self._loads.ended(load_id, f"wait failed: {exc!r}")
                 return
-            self._load_ended(load_id, result)
+            self._loads.ended(load_id, result)
 
         await asyncio.gather(*(wait_one(r.load_id) for r in requests))
 
@@ -378,53 +375,11 @@ class WorkerSide:
     async def _cancel_quietly(self, load_id: str) -> None:
         await cancel_quietly(self._actor, load_id, self._settings.rpc_timeout_s)
 
-    def _load_ended(
-        self,
-        load_id: str,
-        outcome: str | LoadResult | StaleLoad | None,
-        ended_s: float | None = None,
-    ) -> None:
-        """Record the end of a load: ``outcome`` is its result, its stale blocks
-        (only those and the blocks after them fail), or the error that ended it
-        here (None: it succeeded); ``ended_s`` when it ended (None: now)."""
-        load = self._in_flight.pop(load_id, None)
-        if load is None:
-            return
-        error, failed = outcome, load.dst_block_ids
-        if isinstance(outcome, LoadResult):
-            error = None if outcome.ok else outcome.error
-            load.round_trips += outcome.round_trips
-        elif isinstance(outcome, StaleLoad):
-            error, failed = outcome.describe(), outcome.failed_blocks(failed)
-            self._stale_loads[load.req_id] = outcome
-        self._ended.record(load, ended_s)
-        if error is not None:
-            logger.warning(
-                "Xavier: load %s of request %s failed, recomputing %d blocks: %s",
-                load_id,
-                load.req_id,
-                len(failed),
-                error,
-            )
-            self._load_errors.update(failed)
-        if not load.synchronous:
-            self._finished_recving.add(load.req_id)
-
-    def _fail(self, req_id: str, block_ids: Iterable[int], asynchronous: bool) -> None:
-        self._load_errors.update(block_ids)
-        if asynchronous:  # vLLM waits for it in get_finished
-            self._finished_recving.add(req_id)
-
     def fail_step_loads(self, step: StepMetadata) -> None:
         """Report every load of ``step`` that did not start as failed (after a
         fault in ``start_load_kv``), so vLLM recomputes those blocks. Loads that
         did start stay in flight: their deadlines end them."""
-        for item in step.loads:
-            asynchronous = item.is_async(step.load_async)
-            if item.load is None:
-                self._fail(item.req_id, item.failed_block_ids, asynchronous)
-            elif item.load.load_id not in self._in_flight:
-                self._fail(item.req_id, item.load.dst_block_ids, asynchronous)
+        self._loads.fail_not_started(step)
 
     def get_finished(
         self, finished_req_ids: set[str]
@@ -435,39 +390,38 @@ class WorkerSide:
         always None. A load of an aborted request is cancelled; the request is
         reported once its writes are over.
         """
-        if self._in_flight:
+        if self._loads.in_flight:
             self._take_completions(finished_req_ids)
         if self._ring_stagings:
             self._hand_over_ring_stagings()  # once a step, whatever else happens
         # Only asynchronous loads are reported: synchronous ones finished inside
         # start_load_kv, and vLLM does not wait for them here.
-        done, self._finished_recving = self._finished_recving, set()
-        return None, (done or None)
+        return None, (self._loads.take_finished() or None)
 
     def _take_completions(self, finished_req_ids: set[str]) -> None:
         """Record the asynchronous loads whose completions were pushed, and post
         cancels for those of aborted requests: no actor call waits here."""
         for done in self._posted.drain():
-            if done.load_id in self._in_flight:
-                self._in_flight[done.load_id].round_trips = done.round_trips
-            self._load_ended(done.load_id, done.outcome, done.ended_s)
+            if done.load_id in self._loads.in_flight:
+                self._loads.in_flight[done.load_id].round_trips = done.round_trips
+            self._loads.ended(done.load_id, done.outcome, done.ended_s)
         if self._actor is not None:
-            self._posted.cancel_aborted(self._actor, self._in_flight, finished_req_ids)
+            self._posted.cancel_aborted(
+                self._actor, self._loads.in_flight, finished_req_ids
+            )
 
     def take_ended_loads(self) -> EndedLoads:
         """Per request whose load ended since the last call: the actor round
         trips on its critical path and the load's own time (counted)."""
-        return self._ended.take()
+        return self._loads.take_ended()
 
     def take_stale_loads(self) -> dict[str, StaleLoad]:
         """Per request whose lease-free load found stale locations since the
         last call: what the scheduler half must forget (``stale_loads.py``)."""
-        stale, self._stale_loads = self._stale_loads, {}
-        return stale
+        return self._loads.take_stale()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._loads.take_errors()
 
     # ---- staging ----------------------------------------------------------------
 
@@ -481,7 +435,7 @@ class WorkerSide:
         """
         # This step's failed synchronous loads are known here (reported to vLLM
         # only after this call): blocks computed on top of them are left out.
-        items = step.items_to_stage(self._load_errors)
+        items = step.items_to_stage(self._loads.failed_blocks)
         if not items or self._actor is None:
             return
         if self._ring is None:
@@ -601,9 +555,9 @@ class WorkerSide:
                 self._map_lock = asyncio.Lock()
             async with self._map_lock:
                 self._closed = True
-            if self._actor is not None and self._in_flight:
-                await self._cancel_all(list(self._in_flight))
-            self._in_flight.clear()
+            if self._actor is not None and self._loads.in_flight:
+                await self._cancel_all(list(self._loads.in_flight))
+            self._loads.in_flight.clear()
             if self._direct is not None:
                 await self._direct.close()
 

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.device import fence
-from ..engine.layout import copy_snapshot_rows
 from ..hashing import BlockHash
 from ..stats import StoreStats
 from ..wire import CPU_TIER, DEVICE_TIER, KVGeometry
+from .demotions import Demotion, StageBatch, copy_demoted_rows, undo_demotions
 from .generations import SlotGenerations
 from .tier import Tier
 
@@ -147,7 +146,7 @@ class TieredKVSnapshotStore:
         self._cpu_hits = 0
         self._demotions = 0
         # demotions whose copy is queued, while reserve_stage_batch runs
-        self._pending_demotions: dict[BlockHash, _Demotion] | None = None
+        self._pending_demotions: dict[BlockHash, Demotion] | None = None
         # demoted snapshots whose CPU rows are not written yet (see StageBatch)
         self._in_transit: set[BlockHash] = set()
         self._drops = 0
@@ -222,7 +221,7 @@ class TieredKVSnapshotStore:
             raise ValueError(
                 f"logical_dtype must be a dtype name, got {logical_dtype!r}"
             )
-        pending: dict[BlockHash, _Demotion] = {}
+        pending: dict[BlockHash, Demotion] = {}
         self._pending_demotions = pending
         reserved: list[StageSlot] = []
         try:
@@ -255,21 +254,9 @@ class TieredKVSnapshotStore:
     def copy_demotions(self, batch: StageBatch) -> None:
         """Copy the rows of ``batch``'s demotions from the device tier to their CPU
         slots: one gather, one device-to-host copy and one fence for all of them."""
-        demotions = batch.demotions
-        if not demotions:
-            return
-        device, cpu = self._device_tier, self._cpu_tier
-        num_layers = device.num_layers
-        copy_snapshot_rows(
-            device.rows,
-            [device.first_row(d.device_slot) for d in demotions.values()],
-            cpu.rows,
-            [cpu.first_row(d.cpu_slot) for d in demotions.values()],
-            num_layers,
+        copy_demoted_rows(
+            batch.demotions, self._device_tier, self._cpu_tier, self.device
         )
-        # The device slots go to new snapshots next, whose writer may use another
-        # stream: the reads out of them must have completed.
-        fence(self.device)
 
     def settle_stage_batch(self, batch: StageBatch, demotions_copied: bool) -> None:
         """End the transit of ``batch``'s demotions. Copied: they are leasable in
@@ -529,6 +516,16 @@ class TieredKVSnapshotStore:
             return cpu, cpu.take_free_slot()
         return None
 
+    def _undo_demotions(self, demotions: dict[BlockHash, Demotion]) -> None:
+        undo_demotions(
+            demotions,
+            self._snapshots,
+            self._device_tier,
+            self._cpu_tier,
+            self.generations,
+        )
+        self._demotions -= len(demotions)
+
     def _drop(self, key: BlockHash) -> None:
         """Forget an unleased published snapshot and free its slot."""
         record = self._snapshots[key]
@@ -556,7 +553,7 @@ class TieredKVSnapshotStore:
         if device.order.is_pinned(key):
             raise AssertionError(f"{key.hex()} is leased and must not be demoted")
         cpu_slot = cpu.take_free_slot()
-        self._pending_demotions[key] = _Demotion(record.slot, cpu_slot)
+        self._pending_demotions[key] = Demotion(record.slot, cpu_slot)
         device.order.remove(key)
         device.give_back_slot(record.slot)
         record.tier, record.slot = CPU_TIER, cpu_slot
@@ -564,43 +561,6 @@ class TieredKVSnapshotStore:
         # The demoted snapshot is the CPU tier's most recent arrival.
         cpu.order.touch(key)
         self._demotions += 1
-
-    def _undo_demotions(self, demotions: dict[BlockHash, _Demotion]) -> None:
-        """Put snapshots whose demotion copy failed back into their device slots,
-        which the caller has freed again (their rows were never overwritten)."""
-        device, cpu = self._device_tier, self._cpu_tier
-        for key, demotion in reversed(demotions.items()):
-            record = self._snapshots[key]
-            cpu.order.remove(key)
-            cpu.give_back_slot(demotion.cpu_slot)
-            device.take_slot(demotion.device_slot)
-            record.tier, record.slot = DEVICE_TIER, demotion.device_slot
-            # Its rows are whole, but a new snapshot's staging made the word odd,
-            # and words never go back: it is published under a new generation
-            # (a reader that expected the old one recomputes, nothing worse).
-            words = self.generations
-            if words.current(demotion.device_slot) % 2 == 0:
-                words.begin_rewrite(demotion.device_slot)
-            record.generation = words.publish(demotion.device_slot)
-            device.order.touch(key)
-            self._demotions -= 1
-
-
-@dataclass(frozen=True, slots=True)
-class StageBatch:
-    """Slots reserved by ``reserve_stage_batch``, and the demotions that made room
-    for them, whose copy is still to run (key -> its device and CPU slot)."""
-
-    slots: list[StageSlot]
-    demotions: dict[BlockHash, _Demotion]
-
-
-@dataclass(frozen=True, slots=True)
-class _Demotion:
-    """A device snapshot moved to the CPU tier whose rows are not copied yet."""
-
-    device_slot: int
-    cpu_slot: int
 
 
 def _abbreviate(values: list[int], limit: int = 8) -> str:

@@ -58,15 +58,8 @@ from ...wire import KVGeometry, TransportHint
 from ..base import HolderCall, HolderOp, LocateRows, TransportContext
 from ..xoscar.gpu_transfer import ScatterFn, full_slab_bytes
 from .endpoint import NixlAgentEndpoint
-from .placement import (
-    PLACEMENT_AUTO,
-    PLACEMENT_ENGINE,
-    PLACEMENT_SLAB,
-    PLACEMENTS,
-    EngineReadPolicy,
-    engine_reads_are_bounded,
-    whole_block_engine,
-)
+from .engine_placement import EnginePlacement, registers_engine
+from .placement import PLACEMENT_AUTO, EngineReadPolicy, engine_reads_are_bounded
 from .plan import (
     EngineBlockMap,
     ReadPlan,
@@ -107,10 +100,7 @@ class NixlDirectTransport:
         it)."""
         if rpc_timeout_s <= 0:
             raise ValueError(f"rpc_timeout_s must be positive, got {rpc_timeout_s}")
-        if placement not in PLACEMENTS:
-            raise ValueError(
-                f"unknown placement {placement!r}; choose from {PLACEMENTS}"
-            )
+        engine_placement = EnginePlacement(placement, engine_read_policy)
         if endpoint.row_bytes != geometry.layer_block_nbytes:
             raise ValueError(
                 f"the endpoint's rows are {endpoint.row_bytes} bytes, the geometry's "
@@ -120,10 +110,7 @@ class NixlDirectTransport:
         self._geometry = geometry
         self._rpc_timeout_s = rpc_timeout_s
         self._transfer_timeout_s = transfer_timeout_s or rpc_timeout_s
-        self._placement = placement
-        self._engine_read_policy = engine_read_policy
-        # peers (agent names) whose READ into engine blocks missed its deadline
-        self._engine_refused: set[str] = set()
+        self._engine_placement = engine_placement
         self._locate_rows = locate_rows  # holder side: where leased keys sit
         self.rows_per_read = endpoint.slab.numel() // geometry.layer_block_nbytes
         self._counters = TransportStats()
@@ -166,14 +153,8 @@ class NixlDirectTransport:
         where each block of every layer is one contiguous range
         (``whole_block_engine``; per-layer caches keep to the slab);
         ``locate_rows`` serves the ``source`` holder op."""
-        use_engine = engine_layers is not None and (
-            placement == PLACEMENT_ENGINE
-            or (
-                placement == PLACEMENT_AUTO
-                and whole_block_engine(
-                    engine_layers, engine_block_axis, geometry.layer_block_nbytes
-                )
-            )
+        use_engine = registers_engine(
+            placement, engine_layers, engine_block_axis, geometry.layer_block_nbytes
         )
         endpoint = await NixlAgentEndpoint.create(
             name,
@@ -216,7 +197,7 @@ class NixlDirectTransport:
 
     @property
     def placement(self) -> str:
-        return self._placement
+        return self._engine_placement.placement
 
     # ---- loader side ----------------------------------------------------------------
 
@@ -279,15 +260,10 @@ class NixlDirectTransport:
     def places_in_engine(self, peer_agent: str) -> bool:
         """Whether a load from ``peer_agent`` (met already) with destination blocks
         READs straight into engine blocks (see the module docstring)."""
-        engine_map = self._endpoint.engine_map
-        if engine_map is None or self._placement == PLACEMENT_SLAB:
-            return False
-        if self._placement == PLACEMENT_ENGINE:
-            return True
-        return (
-            engine_map.whole_blocks
-            and peer_agent not in self._engine_refused
-            and self._engine_read_policy(self._endpoint.peer_paths.get(peer_agent))
+        return self._engine_placement.allows(
+            self._endpoint.engine_map,
+            peer_agent,
+            self._endpoint.peer_paths.get(peer_agent),
         )
 
     async def _load_through_slab(
@@ -379,18 +355,7 @@ class NixlDirectTransport:
         try:
             await self._read(holder_rank, peer, plan, engine_map.mem_type, DEST_ENGINE)
         except NixlTransferTimeout:
-            if self._placement == PLACEMENT_AUTO:
-                # The policy said this peer's READs could not outlive their
-                # deadline, and one did: it may still write those blocks. Never
-                # again for this peer (agent); its loads take the slab from now on.
-                self._engine_refused.add(peer.agent_name)
-                logger.error(
-                    "a NIXL READ from rank %d into engine blocks missed its deadline "
-                    "although its path was deemed bounded; loads from %s go through "
-                    "the receive slab from now on",
-                    holder_rank,
-                    peer.agent_name,
-                )
+            self._engine_placement.missed_deadline(peer.agent_name, holder_rank)
             raise
         self._count(plan, len(dst_block_ids) * self._geometry.block_nbytes)
         self._counters.engine_placed_loads += 1
