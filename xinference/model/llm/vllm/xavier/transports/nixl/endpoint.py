@@ -105,9 +105,7 @@ class NixlAgentEndpoint:
         engine's per-layer KV tensors as mapped here, with their block axis.
         ``words``: the device tier's generation words, published with the rows
         in whatever memory they are in (host memory, even for a tier on a GPU).
-        ``reads_peer_words``: this endpoint READs peers' generation words (the
-        engine process's reader): on VRAM its agent gets
-        ``WORDS_READER_UCX_SETTINGS`` instead of ``VRAM_UCX_SETTINGS``.
+        ``reads_peer_words``: READs peers' words (the engine's reader; ``ucx.py``).
         """
         if row_bytes <= 0 or slab_bytes < row_bytes:
             raise ValueError(
@@ -204,13 +202,10 @@ class NixlAgentEndpoint:
     def _start(self) -> None:
         import nixl._api as api  # type: ignore[import-not-found]
 
-        settings: tuple[tuple[str, str], ...] = ()
-        if self.device.type == "cuda":
-            settings = (
-                WORDS_READER_UCX_SETTINGS
-                if self._reads_peer_words
-                else VRAM_UCX_SETTINGS
-            )
+        vram = (
+            WORDS_READER_UCX_SETTINGS if self._reads_peer_words else VRAM_UCX_SETTINGS
+        )
+        settings = vram if self.device.type == "cuda" else ()
         self.progress_delay_us = progress_thread_delay_us()
         with (
             ucx_settings(settings) as applied,
