@@ -64,21 +64,26 @@ def fast_path_enabled(explicit: bool | None = None) -> bool:
     return os.environ.get(FAST_PATH_ENV, "0").strip().lower() in ("1", "true", "on")
 
 
+def _env_number(name: str, unit: str) -> float | None:
+    """The number in environment variable ``name`` (in ``unit``), None if unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of {unit}, got {raw!r}") from None
+
+
 def fast_path_base_s() -> float:
     """The bound's fixed part from the environment (milliseconds), capped."""
-    raw = os.environ.get(FAST_PATH_BASE_ENV, "").strip()
-    if not raw:
+    base_ms = _env_number(FAST_PATH_BASE_ENV, "milliseconds")
+    if base_ms is None:
         return DEFAULT_BASE_S
-    try:
-        base_ms = float(raw)
-    except ValueError:
-        raise ValueError(
-            f"{FAST_PATH_BASE_ENV} must be a number of milliseconds, got {raw!r}"
-        ) from None
     if not 0 < base_ms <= MAX_BOUND_S * 1e3:
         raise ValueError(
             f"{FAST_PATH_BASE_ENV} must be in (0, {MAX_BOUND_S * 1e3:g}] ms, "
-            f"got {raw!r}"
+            f"got {base_ms:g}"
         )
     return base_ms / 1e3
 
@@ -87,17 +92,11 @@ def fast_path_bytes_per_s(engine_on_cuda: bool) -> float:
     """The rate a bounded load's bytes are priced at: the environment's
     (``XAVIER_FAST_PATH_GBPS``, decimal gigabytes per second) when set, else the
     conservative one for where the engine's KV lives."""
-    raw = os.environ.get(FAST_PATH_RATE_ENV, "").strip()
-    if not raw:
+    rate = _env_number(FAST_PATH_RATE_ENV, "GB/s")
+    if rate is None:
         return CUDA_COPY_BYTES_PER_S if engine_on_cuda else HOST_COPY_BYTES_PER_S
-    try:
-        rate = float(raw)
-    except ValueError:
-        rate = -1.0
     if not 0 < rate < float("inf"):
-        raise ValueError(
-            f"{FAST_PATH_RATE_ENV} must be a positive number of GB/s, got {raw!r}"
-        )
+        raise ValueError(f"{FAST_PATH_RATE_ENV} must be positive GB/s, got {rate:g}")
     return rate * 1e9
 
 
