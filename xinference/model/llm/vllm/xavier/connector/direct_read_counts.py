@@ -4,9 +4,10 @@
 failed because a snapshot changed on the holder; ``seconds``: their own time,
 summed), while the metrics are read from the transfer actor's stats. After each
 step's loads the worker's totals are sent to its own transfer actor,
-fire-and-forget, so the engine thread never waits on it: a report is sent only when a total moved and no earlier one
-is still on its way, and since it carries totals, not increments, a report that
-failed is made good by the next (``ActorCounters.record_direct_reads``).
+fire-and-forget, so the engine thread never waits on it: a report is sent only
+when a total moved and no earlier one is still on its way, and since it carries
+totals, not increments, a report that failed is made good by the next
+(``ActorCounters.record_direct_reads``).
 """
 
 from __future__ import annotations
