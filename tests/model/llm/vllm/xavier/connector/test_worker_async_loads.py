@@ -219,15 +219,15 @@ def test_an_aborted_load_is_cancelled_and_reported_once_its_writes_end(loop):
     assert time.perf_counter() - began < POST_S
     # Named again: no second cancel. The first may have ended the load by now
     # (nothing was being written), so this call may already report it.
-    reported = [worker.get_finished({"x"})[1] or set()]
+    reported_now = "x" in (worker.get_finished({"x"})[1] or set())
     loop.run(_set(transport.go_on), 5)  # the holder answers; the load stops
-    deadline = time.monotonic() + 10
-    while not any("x" in r for r in reported) and time.monotonic() < deadline:
-        reported.append(worker.get_finished(set())[1] or set())
-        time.sleep(0.01)
-    reported += [worker.get_finished(set())[1] or set() for _ in range(3)]
-    assert [r for r in reported if r] == [{"x"}]  # reported once
-    assert worker.get_block_ids_with_load_errors() == {6, 7}
+    if reported_now:
+        errors = worker.get_block_ids_with_load_errors()
+    else:
+        errors = finished_within(worker, "x", 10)
+    assert errors == {6, 7}
+    for _ in range(3):  # reported once
+        assert worker.get_finished(set()) == (None, None)
     assert actor.calls == ["run_load", "cancel_load"]
     for block, old in zip((6, 7), before, strict=True):
         assert torch.equal(target.read_block(block), old)
