@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from xinference.model.llm.vllm.xavier import tracker as tracker_module
@@ -52,6 +53,22 @@ async def test_queries_see_only_what_the_mirrors_applied():
     assert tracker.query_prefix(0, KEYS) == PrefixHit(1, "nixl://b", 4)
     assert tracker.query_prefix(-1, KEYS) == PrefixHit(1, "nixl://b", 4)
     assert tracker.mirror_versions() == {0: base + 1, -1: base + 1}
+
+
+async def test_a_replica_whose_mirror_stopped_polling_sees_every_change(monkeypatch):
+    """A mirror that stopped polling (its replica's scheduler then asks the tracker)
+    must not hold back that replica's own queries at the last version it applied."""
+    tracker = fresh_tracker()
+    base = (await poll(tracker, 0, -1)).version
+    await poll(tracker, 0, base)  # mirror 0 is live at `base`, then goes quiet
+    tracker.register_blocks(1, KEYS[:4])
+    assert tracker.query_prefix(0, KEYS) is None  # not applied yet, still live
+
+    later = time.monotonic() + tracker_module.MIRROR_GRACE_S + 1
+    clock = SimpleNamespace(monotonic=lambda: later)  # the tracker's clock only
+    monkeypatch.setattr(tracker_module, "time", clock)
+    assert tracker.query_prefix(0, KEYS) == PrefixHit(1, "nixl://b", 4)
+    assert tracker.query_prefix(-1, KEYS) == PrefixHit(1, "nixl://b", 4)
 
 
 async def test_a_mirror_applies_every_kind_of_change_like_the_tracker():

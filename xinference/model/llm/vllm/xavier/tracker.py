@@ -274,12 +274,14 @@ class BlockTrackerActor(xo.StatelessActor):
 
     def _visible_upto(self, rank: int) -> int | None:
         """The version a query on behalf of ``rank`` may see (None: all): what the
-        mirror of ``rank`` has applied; for rank -1 the slowest live mirror's."""
+        live mirror of ``rank`` has applied; for rank -1 the slowest live mirror's.
+        A mirror that stopped polling holds nothing back: its replica asks the
+        tracker meanwhile and must see every change, not the mirror's last."""
+        live = dict(self._live_mirrors())
         if rank >= 0:
-            mirror = self._mirrors.get(rank)
+            mirror = live.get(rank)
             return None if mirror is None else mirror[0]
-        live = self._live_mirrors()
-        return min((version for _, (version, _) in live), default=None)
+        return min((version for version, _ in live.values()), default=None)
 
     def _change(self, op: str, rank: int, packed_keys: bytes = b"") -> None:
         self._version += 1
