@@ -173,6 +173,8 @@ def measure_variant(
         for engine in engines.values():
             engine.wait_ready(900)
             engine.generate([random_prompt(rng, 64)], max_tokens=4)
+        for rank, name in ((0, "A"), (1, "B")):
+            wait_mapped(cluster, rank, engines[name])
         a, b = engines["A"], engines["B"]
         for length in args.lengths:
             rows.append(measure_length(args, cluster, a, b, rng, length))
@@ -187,6 +189,24 @@ def measure_variant(
             else:
                 os.environ[name] = value
     return rows, stats
+
+
+MAP_TIMEOUT_S = 180.0  # an 8B engine's first mapping on a GPU: seconds
+
+
+def wait_mapped(cluster: XavierCluster, rank: int, engine: EngineProcess) -> None:
+    """Measure nothing before the replica's transfer actor has mapped the engine's
+    KV caches (until then its blocks are neither published nor loaded); if it
+    never does, say why, with the engine's own log."""
+    try:
+        cluster.wait_mapped(rank, MAP_TIMEOUT_S)
+    except TimeoutError:
+        stats = cluster.stats(rank)
+        raise RuntimeError(
+            f"replica {rank} did not map its KV caches in {MAP_TIMEOUT_S:g} s "
+            f"(mapping error: {stats.mapping_error})\n--- engine log tail ---\n"
+            f"{engine.log_tail()}"
+        ) from None
 
 
 def measure_length(
