@@ -2,13 +2,13 @@
 prefix hit on B and a miss, with the engine passes and actor round trips of each
 remote hit counted by the connector.
 
-Two real vLLM engines (CPU build), each a Xavier replica with its own transfer actor
-in a real ``nixl://`` xoscar pool, one shared tracker. The default model is small (3
-layers of width 128) so that the connector's overhead, not the model's compute, is
-what shows on a CPU; ``--model qwen-shaped`` uses Qwen2.5-0.5B's attention shape,
-``--model llama-8b-shaped`` Llama-3.1-8B's whole shape with dummy weights (a GPU:
-both engines and their device tiers on the one GPU, ``--gpu-memory-utilization``
-each).
+Two real vLLM engines (the CPU build here, the CUDA build on a GPU), each a Xavier
+replica with its own transfer actor in a real ``nixl://`` xoscar pool, one shared
+tracker. The default model is small (3 layers of width 128) so that the connector's
+overhead, not the model's compute, is what shows on a CPU; ``--model qwen-shaped``
+uses Qwen2.5-0.5B's attention shape, ``--model llama-8b-shaped`` Llama-3.1-8B's
+whole shape with dummy weights (a GPU: both engines and their device tiers on the
+one GPU, ``--gpu-memory-utilization`` each).
 
 For each prompt length and run, with fresh random prompts:
 
