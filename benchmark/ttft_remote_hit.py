@@ -40,6 +40,11 @@ Each remote hit also reports, from the connector (``kv_transfer_params``):
 The goal of issue 28 is checked per length and variant, on p50s:
 remote - local <= load + 1 ms.
 
+``--timeline`` also splits each of B's timed requests into vLLM's phases (the
+engine core's steps, scheduling, the worker's forward, the connector's load and
+save; ``step_timeline.py``) and prints their p50s per kind of request: where a
+remote hit's time beyond a local hit's goes.
+
 ``--variant LABEL=ENV=VALUE[,ENV=VALUE]`` runs the whole measurement once per
 variant, with fresh engines whose environment carries those variables (e.g. to
 switch a code path off and on in one invocation); the default is one variant,
@@ -68,6 +73,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import step_timeline  # noqa: E402  (beside this script)
 from tests.model.llm.vllm.xavier.vllm_support import (  # noqa: E402
     BLOCK_SIZE,
     Completion,
@@ -133,9 +139,14 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(length)]
 
 
-def timed(engine: EngineProcess, prompt: list[int]) -> tuple[float, Completion]:
+def timed(
+    engine: EngineProcess, prompt: list[int]
+) -> tuple[float, Completion, tuple[int, int]]:
+    """(seconds in the engine's ``generate``, its completion, the window on the
+    host's monotonic clock that holds the call)."""
+    start = time.monotonic_ns()
     (completion,), seconds = engine.timed_generate([prompt], max_tokens=1)
-    return seconds, completion
+    return seconds, completion, (start, time.monotonic_ns())
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -152,6 +163,14 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 def measure_variant(
     args: argparse.Namespace, model: Path, env: dict[str, str], seed: int
 ) -> tuple[list[dict[str, Any]], dict[int, Any]]:
+    b_env: dict[str, str] = {}
+    if args.timeline:
+        # every process of both engines gets the hooks; only B's record
+        timeline = Path(tempfile.mkdtemp(prefix="xavier-timeline-"))
+        hooks = step_timeline.hook_dir(timeline)
+        path = os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))
+        env = {**env, "PYTHONPATH": path}
+        b_env[step_timeline.ENV] = str(timeline / "B")
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # the engine processes inherit it
     cluster = XavierCluster(MODEL_UID, num_replicas=2, rpc_timeout_s=10.0)
@@ -169,7 +188,9 @@ def measure_variant(
                 max_model_len=max(args.lengths) + 64,
                 **engine_overrides(args),
             )
-            engines[name] = EngineProcess(f"bench-{name}", kwargs).start()
+            engines[name] = EngineProcess(
+                f"bench-{name}", kwargs, b_env if name == "B" else None
+            ).start()
         for engine in engines.values():
             engine.wait_ready(900)
             engine.generate([random_prompt(rng, 64)], max_tokens=4)
@@ -178,6 +199,10 @@ def measure_variant(
         a, b = engines["A"], engines["B"]
         for length in args.lengths:
             rows.append(measure_length(args, cluster, a, b, rng, length))
+            windows = rows[-1].pop("windows")
+            if args.timeline:
+                directory = Path(b_env[step_timeline.ENV])
+                rows[-1]["phases"] = phases(directory, windows)
         stats = {rank: cluster.stats(rank).as_dict() for rank in (0, 1)}
     finally:
         for engine in engines.values():
@@ -215,6 +240,19 @@ def b_demotions(cluster: XavierCluster) -> int:
     return 0 if store is None else store.demotions
 
 
+def phases(
+    directory: Path, windows: dict[str, list[tuple[int, int]]]
+) -> dict[str, dict[str, float]]:
+    """p50 of B's phases per kind of request, from its timeline (``--timeline``)."""
+    events = step_timeline.load_events(directory)
+    return {
+        kind: step_timeline.median_split(
+            [step_timeline.split(events, start, end) for start, end in spans]
+        )
+        for kind, spans in windows.items()
+    }
+
+
 def measure_length(
     args: argparse.Namespace,
     cluster: XavierCluster,
@@ -224,6 +262,8 @@ def measure_length(
     length: int,
 ) -> dict[str, Any]:
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    # each timed request's window on the host's monotonic clock (--timeline)
+    windows: dict[str, list[tuple[int, int]]] = {kind: [] for kind in KINDS}
     passes: list[int] = []
     deferred: list[int] = []
     round_trips: list[int] = []
@@ -236,7 +276,7 @@ def measure_length(
         # local prefix hit: B has served the prompt itself
         local = random_prompt(rng, length)
         b.generate([local], max_tokens=1)
-        local_s, completion = timed(b, local)
+        local_s, completion, local_window = timed(b, local)
         if xavier_external_tokens(completion):
             raise RuntimeError("a local prefix hit was served as a remote hit")
         # remote hit: A served the prompt, B loads its prefix
@@ -245,20 +285,23 @@ def measure_length(
         cluster.wait_published(
             hash_full_blocks(prompt[:-1], BLOCK_SIZE, NAMESPACE), for_rank=1
         )
-        remote_s, completion = timed(b, prompt)
+        remote_s, completion, remote_window = timed(b, prompt)
         params = completion.kv_transfer_params or {}
         # a miss
-        miss_s, missed = timed(b, random_prompt(rng, length))
+        miss_s, missed, miss_window = timed(b, random_prompt(rng, length))
         if xavier_external_tokens(missed):
             raise RuntimeError("a fresh prompt was served as a remote hit")
         if not run:
             continue
         times["local"].append(local_s)
         times["miss"].append(miss_s)
+        windows["local"].append(local_window)
+        windows["miss"].append(miss_window)
         if not xavier_external_tokens(completion):
             not_remote += 1  # recomputed (e.g. a load past its bound): not timed
             continue
         times["remote"].append(remote_s)
+        windows["remote"].append(remote_window)
         loaded.append(xavier_external_tokens(completion))
         passes.append(int(params["xavier_passes_waited"]))
         deferred.append(int(params.get("xavier_passes_deferred", 0)))
@@ -288,6 +331,7 @@ def measure_length(
     row["goal_met"] = goal_met(row)
     row["output_mismatches"] = mismatches
     row["remote_recomputed"] = not_remote
+    row["windows"] = windows
     print(
         f"{length:>6} tokens: local {row['local_ms']:7.1f} ms, remote "
         f"{row['remote_ms']:7.1f} ms, miss {row['miss_ms']:7.1f} ms, load "
@@ -347,6 +391,10 @@ def print_table(label: str, rows: list[dict[str, Any]], stats: dict[int, Any]) -
     print("\nGoal, p50s: remote - local <= load + 1 ms")
     for row in rows:
         print(f"- {goal_line(row)}")
+    for row in rows:
+        if "phases" in row:
+            print(f"\nB's phases at {row['prompt_tokens']} tokens, p50 (ms):\n")
+            print(step_timeline.table(row["phases"], ("remote", "local")))
 
 
 def main() -> None:
@@ -372,6 +420,11 @@ def main() -> None:
     )
     parser.add_argument("--variant", action="append", default=[])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="time B's vLLM phases per request (step_timeline.py) and print them",
+    )
     args = parser.parse_args()
 
     variants = [parse_variant(v) for v in args.variant] or [("current", {})]
