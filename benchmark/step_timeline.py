@@ -29,10 +29,10 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterable, Sequence
 
 ENV = "XAVIER_STEP_TIMELINE"
 CONNECTOR = "xinference.model.llm.vllm.xavier.connector.vllm_facade"

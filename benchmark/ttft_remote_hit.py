@@ -74,6 +74,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import step_timeline  # noqa: E402  (beside this script)
+
 from tests.model.llm.vllm.xavier.vllm_support import (  # noqa: E402
     BLOCK_SIZE,
     Completion,
