@@ -44,9 +44,7 @@ CONNECTOR = "xinference.model.llm.vllm.xavier.connector.vllm_facade"
 HOOKS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "vllm.entrypoints.llm": {"LLM": ("generate",)},
     "vllm.v1.engine.core": {"EngineCore": ("step", "step_with_batch_queue")},
-    "vllm.v1.core.sched.scheduler": {
-        "Scheduler": ("schedule", "update_from_output")
-    },
+    "vllm.v1.core.sched.scheduler": {"Scheduler": ("schedule", "update_from_output")},
     "vllm.v1.worker.gpu_worker": {"Worker": ("execute_model", "sample_tokens")},
     "vllm.v1.worker.cpu_worker": {"CPUWorker": ("execute_model", "sample_tokens")},
     CONNECTOR: {"XavierConnector": None},
