@@ -431,23 +431,22 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variant] or [("current", {})]
     model = build_model(args.model)
     results: dict[str, Any] = {}
-    for label, env in variants:
-        print(f"== {label} {env}", flush=True)
-        # the same prompts for every variant
-        rows, stats = measure_variant(args, model, env, seed=2026)
-        results[label] = {"env": env, "rows": rows, "stats": stats}
-
     mode = "device tier (GPU-first)" if args.gpu_cache_bytes is not None else "CPU tier"
-    print()
     print(
         f"TTFT on replica B, p50 of {args.runs} runs each, {args.model} model, "
         f"{mode}, {vllm_build()}, "
         f"{time.strftime('%Y-%m-%d')}"
     )
-    for label, result in results.items():
-        print_table(
-            f"{label} {result['env'] or ''}".strip(), result["rows"], result["stats"]
-        )
+    for label, env in variants:
+        print(f"\n== {label} {env}", flush=True)
+        # the same prompts for every variant
+        rows, stats = measure_variant(args, model, env, seed=2026)
+        results[label] = {"env": env, "rows": rows, "stats": stats}
+        # each variant's table as soon as it is measured: a run cut off by a
+        # time limit keeps what it finished
+        print_table(f"{label} {env or ''}".strip(), rows, stats)
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=2))
     if len(results) > 1:
         first, *others = results
         print()
@@ -460,8 +459,6 @@ def main() -> None:
                     f"{base['remote_minus_local_ms']:+.1f} -> "
                     f"{row['remote_minus_local_ms']:+.1f} ms"
                 )
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

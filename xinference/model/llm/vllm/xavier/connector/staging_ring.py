@@ -19,14 +19,36 @@ copy per tier (``engine.layout.copy_snapshot_rows``).
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..config import parse_size
 from ..engine import device
 from ..engine.blocks import BlockMajorCache
 from ..hashing import BlockHash
+
+# The ring's size when the environment does not set one: 16 blocks of an 8B model
+# (4 MiB each at block size 32), several hundred of a 0.5B one.
+DEFAULT_RING_BYTES = 64 * 1024**2
+RING_BYTES_ENV = "XAVIER_STAGING_RING_BYTES"
+
+
+def ring_bytes_from_env() -> int:
+    """The ring's size in bytes (rounded down to whole blocks by its user): the
+    environment's ``XAVIER_STAGING_RING_BYTES`` (bytes, or a size such as
+    ``512MiB``; 0 for no ring) when set, else ``DEFAULT_RING_BYTES``. A prefill
+    whose new blocks do not fit the ring waits in ``wait_for_save`` for the
+    actor to empty it, so a large model may want more."""
+    raw = os.environ.get(RING_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RING_BYTES
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        raise ValueError(f"{RING_BYTES_ENV}: {exc}") from None
 
 
 class StagingRing:

@@ -59,6 +59,7 @@ from .ranks import (
     step_for_rank,
 )
 from .scheduler import SchedulerSettings, SchedulerSide
+from .staging_ring import ring_bytes_from_env
 from .step import RequestLoad, StepMetadata
 from .vllm_compat import (
     FinishedParams,
@@ -188,6 +189,7 @@ class XavierConnector(KVConnectorBase_V1):
                 rpc_timeout_s=options.rpc_timeout_s,
                 load_timeout_s=LOAD_TIMEOUT_RPCS * options.rpc_timeout_s,
                 layout_hint=PACKED_KV_LAYOUT if on_cpu(vllm_config) else None,
+                staging_ring_bytes=ring_bytes_from_env(),
             )
             direct_reads = direct_reads_factory(
                 enabled=direct_reads_wanted(options),

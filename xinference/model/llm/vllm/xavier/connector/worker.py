@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..aio import BackgroundLoop, with_deadline
+from ..config import format_size
 from ..engine import device
 from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
@@ -43,7 +44,7 @@ from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import EndedLoads, InFlightLoad, PostedLoads, cancel_quietly
 from .load_outcomes import LoadOutcomes
-from .staging_ring import RingStaging, StagingRing
+from .staging_ring import DEFAULT_RING_BYTES, RingStaging, StagingRing
 from .stale_loads import StaleLoad
 from .step import RequestLoad, StepMetadata
 
@@ -65,7 +66,7 @@ class WorkerSettings:
     layout_hint: str | None = None
     # Bytes of the staging ring (rounded down to whole blocks); 0: no ring, and
     # wait_for_save waits while the actor copies straight from the engine blocks.
-    staging_ring_bytes: int = 64 * 1024**2
+    staging_ring_bytes: int = DEFAULT_RING_BYTES
 
 
 # Beyond a synchronous load's bound (the actor's wait for the data), how long the
@@ -157,6 +158,11 @@ class WorkerSide:
             )
             return
         self._ring = ring
+        logger.info(
+            "Xavier: staging ring of %d blocks (%s)",
+            num_slots,
+            format_size(ring.rows.numel()),
+        )
 
     def _try_mapping(self) -> None:
         """Start one background mapping attempt unless mapped, running or too soon."""
