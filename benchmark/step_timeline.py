@@ -153,6 +153,7 @@ def hook_dir(parent: Path) -> Path:
 @dataclass(frozen=True)
 class Event:
     name: str
+    pid: int
     start_ns: int
     end_ns: int
 
@@ -164,17 +165,23 @@ class Event:
 def load_events(directory: Path) -> list[Event]:
     events = []
     for path in directory.glob("*.tsv"):
+        pid = int(path.stem)
         for line in path.read_text().splitlines():
             name, start, end = line.split("\t")
-            events.append(Event(name, int(start), int(end)))
+            events.append(Event(name, pid, int(start), int(end)))
     return sorted(events, key=lambda e: e.start_ns)
 
 
 # The phases of one request; an indented one is part of the one above it:
-#   whole     = front + between steps + engine steps
-#   steps     = schedule + execute + sample + update + step rest
-#   execute   = start_load_kv + wait_for_save + forward rest
-# (the connector's scheduler side runs inside schedule and update_from_output)
+#   whole         = front + between steps + engine steps
+#   engine steps  = schedule + execute + sample + update + step rest
+#   execute       = start_load_kv + wait_for_save + forward rest (likewise sample)
+# A connector call counts in the worker method whose call contains it (vLLM's
+# runners call wait_for_save from execute_model or from sample_tokens). On a
+# GPU the forward runs asynchronously: what execute_model queued is waited for
+# in sample_tokens or in the engine core's step, so "forward rest" is the time
+# spent queueing it. The connector's scheduler side runs inside schedule and
+# update_from_output and is shown on its own.
 PHASES = (
     "whole (LLM.generate)",
     "front: generate to first step, last step to return",
@@ -183,18 +190,37 @@ PHASES = (
     "  Scheduler.schedule",
     "  execute_model",
     "    start_load_kv (the load)",
-    "    wait_for_save",
+    "    wait_for_save in execute_model",
     "    forward rest",
     "  sample_tokens",
+    "    wait_for_save in sample_tokens",
+    "    sampling rest (and waiting for the forward)",
     "  update_from_output",
-    "  step rest (hops to workers, other)",
+    "  step rest (hops to workers, waits for the batch)",
     "connector, scheduler side (in schedule, update)",
     "engine steps (count)",
 )
+EXECUTE = ("Worker.execute_model", "CPUWorker.execute_model")
+SAMPLE = ("Worker.sample_tokens", "CPUWorker.sample_tokens")
 
 
 def _total(events: Iterable[Event], *names: str) -> float:
     return sum(e.ms for e in events if e.name in names)
+
+
+def _within(events: Sequence[Event], name: str, outer_names: Sequence[str]) -> float:
+    """ms of the ``name`` calls made inside a call of one of ``outer_names`` (of
+    the same process)."""
+    outers = [e for e in events if e.name in outer_names]
+    return sum(
+        e.ms
+        for e in events
+        if e.name == name
+        and any(
+            o.pid == e.pid and o.start_ns <= e.start_ns and e.end_ns <= o.end_ns
+            for o in outers
+        )
+    )
 
 
 def split(events: Sequence[Event], start_ns: int, end_ns: int) -> dict[str, float]:
@@ -217,29 +243,32 @@ def split(events: Sequence[Event], start_ns: int, end_ns: int) -> dict[str, floa
     steps = [e for e in inside if e.name in STEP]
     span = (steps[-1].end_ns - steps[0].start_ns) / 1e6 if steps else 0.0
     steps_ms = sum(e.ms for e in steps)
-    execute = _total(inside, "Worker.execute_model", "CPUWorker.execute_model")
-    load = _total(inside, "start_load_kv")
-    save = _total(inside, "wait_for_save")
+    execute = _total(inside, *EXECUTE)
+    load = _within(inside, "start_load_kv", EXECUTE)
+    save_in_execute = _within(inside, "wait_for_save", EXECUTE)
+    sample = _total(inside, *SAMPLE)
+    save_in_sample = _within(inside, "wait_for_save", SAMPLE)
     schedule = _total(inside, "Scheduler.schedule")
-    connector = _total(inside, *SCHEDULER_SIDE)
-    sample = _total(inside, "Worker.sample_tokens", "CPUWorker.sample_tokens")
     update = _total(inside, "Scheduler.update_from_output")
-    return {
-        PHASES[0]: whole.ms,
-        PHASES[1]: whole.ms - span,
-        PHASES[2]: span - steps_ms,
-        PHASES[3]: steps_ms,
-        PHASES[4]: schedule,
-        PHASES[5]: execute,
-        PHASES[6]: load,
-        PHASES[7]: save,
-        PHASES[8]: execute - load - save,
-        PHASES[9]: sample,
-        PHASES[10]: update,
-        PHASES[11]: steps_ms - schedule - execute - sample - update,
-        PHASES[12]: connector,
-        PHASES[13]: float(len(steps)),
-    }
+    values = (
+        whole.ms,
+        whole.ms - span,
+        span - steps_ms,
+        steps_ms,
+        schedule,
+        execute,
+        load,
+        save_in_execute,
+        execute - load - save_in_execute,
+        sample,
+        save_in_sample,
+        sample - save_in_sample,
+        update,
+        steps_ms - schedule - execute - sample - update,
+        _total(inside, *SCHEDULER_SIDE),
+        float(len(steps)),
+    )
+    return dict(zip(PHASES, values, strict=True))
 
 
 def median_split(splits: Sequence[dict[str, float]]) -> dict[str, float]:

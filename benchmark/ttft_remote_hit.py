@@ -20,7 +20,8 @@ For each prompt length and run, with fresh random prompts:
   miss    B serves a prompt Q that nobody holds
 
 TTFT is the wall time of ``LLM.generate(max_tokens=1)`` inside B's process
-(scheduling, the load, the prefill of the remaining tokens and one sampling step).
+(scheduling, the load, the prefill of the remaining tokens and one sampling step),
+each timed request sent after B has been idle for ``IDLE_BEFORE_TIMED_S``.
 Each remote hit also reports, from the connector (``kv_transfer_params``):
 
   passes       engine passes from vLLM's first question about the request to its
@@ -140,11 +141,20 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(length)]
 
 
+# Every timed request starts after B has been idle this long. A remote hit
+# otherwise starts after B idled while A served and published its blocks, and a
+# local hit right after B's own serve of the same prompt: on the H100 the
+# remote hits' front (generate to first step and back) took 0.7-1 ms longer than
+# the local hits', for no work of theirs (benchmark/results/fast-path.md).
+IDLE_BEFORE_TIMED_S = 0.2
+
+
 def timed(
     engine: EngineProcess, prompt: list[int]
 ) -> tuple[float, Completion, tuple[int, int]]:
     """(seconds in the engine's ``generate``, its completion, the window on the
-    host's monotonic clock that holds the call)."""
+    host's monotonic clock that holds the call), the engine idle before it."""
+    time.sleep(IDLE_BEFORE_TIMED_S)
     start = time.monotonic_ns()
     (completion,), seconds = engine.timed_generate([prompt], max_tokens=1)
     return seconds, completion, (start, time.monotonic_ns())
