@@ -209,11 +209,10 @@ def measure_variant(
             wait_mapped(cluster, rank, engines[name])
         a, b = engines["A"], engines["B"]
         for length in args.lengths:
-            rows.append(measure_length(args, cluster, a, b, rng, length))
-            windows = rows[-1].pop("windows")
+            row, windows = measure_length(args, cluster, a, b, rng, length)
             if args.timeline:
-                directory = Path(b_env[step_timeline.ENV])
-                rows[-1]["phases"] = phases(directory, windows)
+                row["phases"] = phases(Path(b_env[step_timeline.ENV]), windows)
+            rows.append(row)
         stats = {rank: cluster.stats(rank).as_dict() for rank in (0, 1)}
     finally:
         for engine in engines.values():
@@ -271,9 +270,10 @@ def measure_length(
     b: EngineProcess,
     rng: random.Random,
     length: int,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, list[tuple[int, int]]]]:
+    """The row of one prompt length, and each timed request's window on the
+    host's monotonic clock, per kind (for ``--timeline``)."""
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    # each timed request's window on the host's monotonic clock (--timeline)
     windows: dict[str, list[tuple[int, int]]] = {kind: [] for kind in KINDS}
     passes: list[int] = []
     deferred: list[int] = []
@@ -342,7 +342,6 @@ def measure_length(
     row["goal_met"] = goal_met(row)
     row["output_mismatches"] = mismatches
     row["remote_recomputed"] = not_remote
-    row["windows"] = windows
     print(
         f"{length:>6} tokens: local {row['local_ms']:7.1f} ms, remote "
         f"{row['remote_ms']:7.1f} ms, miss {row['miss_ms']:7.1f} ms, load "
@@ -350,7 +349,7 @@ def measure_length(
         f"{row['round_trips']}",
         flush=True,
     )
-    return row
+    return row, windows
 
 
 GOAL_SLACK_MS = 1.0  # issue 28: remote - local <= the load's own time + 1 ms (p50)

@@ -16,6 +16,9 @@ MS = 1_000_000  # ns
 FRONT, CORE = 100, 200  # pids
 
 
+EXECUTE, SAMPLE = "Worker.execute_model", "Worker.sample_tokens"
+
+
 def request(wait_for_save_in: str) -> list[Event]:
     """One request: generate 0-20 ms; two engine steps (2-9, 10-18 ms); the load
     in the first step's execute_model; wait_for_save where vLLM calls it."""
@@ -34,17 +37,12 @@ def request(wait_for_save_in: str) -> list[Event]:
         # after the answer: another request's, or freeing blocks; not this one's
         Event("EngineCore.step", CORE, 21 * MS, 22 * MS),
     ]
-    outer = (
-        "Worker.execute_model"
-        if wait_for_save_in == "execute"
-        else ("Worker.sample_tokens")
-    )
-    host = [e for e in events if e.name == outer][-1]
+    host = [e for e in events if e.name == wait_for_save_in][-1]
     events.append(Event("wait_for_save", CORE, host.end_ns - MS, host.end_ns))
     return sorted(events, key=lambda e: e.start_ns)
 
 
-@pytest.mark.parametrize("where", ["execute", "sample"])
+@pytest.mark.parametrize("where", [EXECUTE, SAMPLE])
 def test_the_phases_of_a_request_add_up_to_its_whole_time(where):
     phases = step_timeline.split(request(where), -MS, 30 * MS)
     assert phases["whole (LLM.generate)"] == 20
@@ -73,15 +71,15 @@ def test_the_phases_of_a_request_add_up_to_its_whole_time(where):
 
 
 def test_wait_for_save_counts_in_the_call_that_contains_it():
-    in_execute = step_timeline.split(request("execute"), -MS, 30 * MS)
+    in_execute = step_timeline.split(request(EXECUTE), -MS, 30 * MS)
     assert in_execute["    wait_for_save in execute_model"] == 1
     assert in_execute["    wait_for_save in sample_tokens"] == 0
     assert in_execute["    forward rest"] == 9 - 2 - 1
-    in_sample = step_timeline.split(request("sample"), -MS, 30 * MS)
+    in_sample = step_timeline.split(request(SAMPLE), -MS, 30 * MS)
     assert in_sample["    wait_for_save in sample_tokens"] == 1
     assert in_sample["    forward rest"] == 9 - 2
     assert in_sample["    sampling rest (and waiting for the forward)"] == 3
 
 
 def test_a_window_without_a_finished_generate_has_no_phases():
-    assert step_timeline.split(request("execute"), 0, 10 * MS) == {}
+    assert step_timeline.split(request(EXECUTE), 0, 10 * MS) == {}
