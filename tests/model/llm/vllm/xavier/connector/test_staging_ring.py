@@ -1,23 +1,25 @@
-"""The staging ring's size as the environment sets it."""
+"""The staging ring's size: as the environment asks for it, or sized by itself."""
 
 from __future__ import annotations
 
 import pytest
 
 from xinference.model.llm.vllm.xavier.connector.staging_ring import (
-    DEFAULT_RING_BYTES,
+    MIN_RING_BYTES,
     RING_BYTES_ENV,
     ring_bytes_from_env,
+    staging_ring_nbytes,
 )
 
+MiB = 1024**2
+BLOCK_8B = 4 * MiB  # a block of 32 tokens of an 8B model (32 layers, 8 KV heads)
 
-def test_the_ring_keeps_its_default_size_unless_the_environment_sets_one(
-    monkeypatch,
-):
+
+def test_the_ring_sizes_itself_unless_the_environment_sets_a_size(monkeypatch):
     monkeypatch.delenv(RING_BYTES_ENV, raising=False)
-    assert ring_bytes_from_env() == DEFAULT_RING_BYTES
+    assert ring_bytes_from_env() is None
     monkeypatch.setenv(RING_BYTES_ENV, " ")
-    assert ring_bytes_from_env() == DEFAULT_RING_BYTES
+    assert ring_bytes_from_env() is None
 
 
 @pytest.mark.parametrize(
@@ -34,3 +36,39 @@ def test_a_malformed_ring_size_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv(RING_BYTES_ENV, raw)
     with pytest.raises(ValueError, match=RING_BYTES_ENV):
         ring_bytes_from_env()
+
+
+def ring(requested=None, *, block=BLOCK_8B, step_tokens=2048, budget=0):
+    return staging_ring_nbytes(
+        requested=requested,
+        block_nbytes=block,
+        step_tokens=step_tokens,
+        block_size=32,
+        device_budget_bytes=budget,
+    )
+
+
+def test_a_ring_sized_by_itself_holds_one_steps_new_blocks():
+    # 8,192 tokens a step: 256 blocks of 4 MiB, where 64 MiB held 16 and a
+    # 2,048-token prefill waited for the actor to empty the ring.
+    assert ring(step_tokens=8192) == 256 * BLOCK_8B
+    assert ring(step_tokens=8192 + 1) == 257 * BLOCK_8B  # a partial block counts
+
+
+def test_a_ring_sized_by_itself_keeps_a_floor_for_small_steps_and_models():
+    assert ring(step_tokens=32) == MIN_RING_BYTES
+    block = 393_216  # Qwen2.5-0.5B at 16 tokens a block
+    assert ring(block=block, step_tokens=16) == MIN_RING_BYTES // block * block
+
+
+def test_the_ring_takes_at_most_a_quarter_of_a_device_budget():
+    assert ring(step_tokens=8192, budget=4096 * MiB) == 1024 * MiB
+    assert ring(step_tokens=2048, budget=4096 * MiB) == 64 * BLOCK_8B  # fits
+    # a small budget keeps most of itself for the tier, the floor included
+    assert ring(block=64 * 1024, budget=16 * MiB) == 4 * MiB
+    # an explicit size is capped as well, and rounded down to whole blocks
+    assert ring(2048 * MiB, budget=4096 * MiB) == 1024 * MiB
+    assert ring(5 * MiB) == BLOCK_8B
+    assert ring(0, budget=4096 * MiB) == 0
+    # without a budget (CPU tier only) the ring stands beside it, uncapped
+    assert ring(2048 * MiB) == 2048 * MiB

@@ -92,15 +92,17 @@ def make_worker(
     load_async: bool = False,
     factory: Any = None,
     counter: list[CountingActor] | None = None,
-    staging_ring_blocks: int = 64,
+    staging_ring_blocks: int | None = 64,  # None: the ring sizes itself
     rpc_timeout_s: float = 5.0,
     wrapper: type[CountingActor] = CountingActor,
+    gpu_cache_bytes: int | None = None,  # the actor's, and the worker's budget
+    step_tokens: int = 0,
 ) -> WorkerSide:
     import xoscar as xo
 
     from xinference.model.llm.vllm.xavier.config import transfer_actor_uid
 
-    address = cluster.start_transfer_actor(rank)
+    address = cluster.start_transfer_actor(rank, gpu_cache_bytes=gpu_cache_bytes)
 
     async def actor() -> Any:
         ref = wrapper(await xo.actor_ref(address, transfer_actor_uid(MODEL, rank)))
@@ -117,9 +119,34 @@ def make_worker(
         load_timeout_s=15.0,
         layout_hint="packed_kv",
         map_retry_s=0.1,
-        staging_ring_bytes=staging_ring_blocks * SNAPSHOT_NBYTES,
+        staging_ring_bytes=(
+            None
+            if staging_ring_blocks is None
+            else staging_ring_blocks * SNAPSHOT_NBYTES
+        ),
+        step_tokens=step_tokens,
+        device_budget_bytes=gpu_cache_bytes or 0,
     )
     return WorkerSide(settings, loop, factory or actor)
+
+
+def test_the_staging_ring_comes_out_of_the_device_budget(cluster, loop):
+    """The worker's ring and the actor's device tier share one device budget: a
+    ring sized by itself takes a quarter of a small one, the tier the rest."""
+    budget = 64 * SNAPSHOT_NBYTES
+    worker = make_worker(
+        cluster,
+        loop,
+        next(_ranks),
+        staging_ring_blocks=None,
+        gpu_cache_bytes=budget,
+        step_tokens=NUM_BLOCKS * BS,
+    )
+    worker.register_kv_caches(engine_cache(5))
+    worker.wait_mapped(60)
+    assert worker._ring is not None and worker._ring.num_slots == 16
+    stats = loop.run(worker._actor.stats(), 30)
+    assert stats.store.device_capacity_blocks == 64 - 16
 
 
 def test_concurrent_mapping_maps_once(cluster, loop):

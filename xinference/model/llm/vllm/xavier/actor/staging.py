@@ -147,3 +147,15 @@ def import_staging_ring(
             f"{cache.device}"
         )
     return ring
+
+
+def device_tier_bytes(budget_bytes: int | None, ring: torch.Tensor | None) -> int:
+    """The device tier's share of the replica's device budget: what the worker's
+    staging ring, which lives on the same device, leaves of it (0: no tier).
+
+    The worker sizes its ring from the same budget (``connector.staging_ring``),
+    so the two together stay within ``xavier_gpu_cache_bytes``."""
+    if not budget_bytes:
+        return 0
+    ring_nbytes = 0 if ring is None else ring.numel() * ring.element_size()
+    return max(0, budget_bytes - ring_nbytes)

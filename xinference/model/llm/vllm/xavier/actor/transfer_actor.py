@@ -63,6 +63,7 @@ from .staging import (
     SnapshotCopy,
     copy_blocks_into_store,
     copy_ring_into_store,
+    device_tier_bytes,
     import_staging_ring,
     stage_snapshots,
 )
@@ -208,7 +209,7 @@ class XavierTransferActor(xo.StatelessActor):
         store = TieredKVSnapshotStore(
             identity.geometry,
             cache.device,
-            device_budget_bytes=config.gpu_cache_bytes or 0,
+            device_budget_bytes=device_tier_bytes(config.gpu_cache_bytes, ring),
             cpu_capacity_blocks=(
                 num_blocks
                 if config.cpu_capacity_blocks is None

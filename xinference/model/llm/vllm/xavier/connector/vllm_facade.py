@@ -190,6 +190,8 @@ class XavierConnector(KVConnectorBase_V1):
                 load_timeout_s=LOAD_TIMEOUT_RPCS * options.rpc_timeout_s,
                 layout_hint=PACKED_KV_LAYOUT if on_cpu(vllm_config) else None,
                 staging_ring_bytes=ring_bytes_from_env(),
+                step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                device_budget_bytes=options.config.gpu_cache_bytes or 0,
             )
             direct_reads = direct_reads_factory(
                 enabled=direct_reads_wanted(options),
