@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow]
 MODEL_UID = "xavier-fast-path"
 NAMESPACE = f"{MODEL_UID}|bfloat16|{BLOCK_SIZE}"
 MAX_TOKENS = 8
+DEVICE_BUDGET = 16 << 20  # each replica's xavier_gpu_cache_bytes
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -47,7 +48,7 @@ def replicas() -> Iterator[tuple[XavierCluster, EngineProcess, EngineProcess]]:
     engines: list[EngineProcess] = []
     try:
         for rank in (0, 1):
-            cluster.start_transfer_actor(rank, gpu_cache_bytes=16 << 20)
+            cluster.start_transfer_actor(rank, gpu_cache_bytes=DEVICE_BUDGET)
         for rank in (0, 1):
             kwargs = engine_kwargs(tiny_model_path(), cluster.replica_settings(rank))
             # 8 ms for the bound's fixed part (2 ms by default, for a GPU host): a
@@ -107,3 +108,29 @@ def test_a_bounded_hit_loads_in_the_lookup_pass_with_exact_outputs(replicas):
     # B's transfer actor loaded only the first, asynchronous hit (which met A)
     stats = cluster.stats(1).actor
     assert stats.loads_ok == 1 and stats.loads_past_bound == 0
+
+
+def test_the_staging_ring_and_the_device_tier_share_the_budget(replicas):
+    """The engine's worker sizes its ring out of the replica's budget (a quarter
+    of 16 MiB here: one step's blocks would be more) and the actor's device tier
+    holds the rest, so the two stay within xavier_gpu_cache_bytes."""
+    from xinference.model.llm.tiny_model import TINY_QWEN2
+
+    cluster, _, _ = replicas
+    shape = TINY_QWEN2
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    block = (
+        shape["num_hidden_layers"]
+        * 2  # K and V
+        * shape["num_key_value_heads"]
+        * head_dim
+        * BLOCK_SIZE
+        * 2  # bf16
+    )
+    ring_blocks = DEVICE_BUDGET // 4 // block
+    for rank in (0, 1):
+        store = cluster.stats(rank).store
+        assert store is not None
+        assert store.device_capacity_blocks == (
+            (DEVICE_BUDGET - ring_blocks * block) // block
+        ), (rank, block)
