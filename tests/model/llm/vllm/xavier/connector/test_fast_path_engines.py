@@ -12,6 +12,7 @@ and B's engine process READs the rows and A's generation words itself.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -108,6 +109,12 @@ def test_a_bounded_hit_loads_in_the_lookup_pass_with_exact_outputs(replicas):
     # B's transfer actor loaded only the first, asynchronous hit (which met A)
     stats = cluster.stats(1).actor
     assert stats.loads_ok == 1 and stats.loads_past_bound == 0
+    # and learns of the READ B's engine made itself from the worker, which
+    # reports it after the step's forward, without waiting for the answer
+    deadline = time.monotonic() + 10
+    while cluster.stats(1).actor.direct_reads < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.stats(1).actor.direct_reads == 1
 
 
 def test_the_staging_ring_and_the_device_tier_share_the_budget(replicas):
