@@ -223,6 +223,20 @@ def _within(events: Sequence[Event], name: str, outer_names: Sequence[str]) -> f
     )
 
 
+def _answer_step_end(events: Sequence[Event]) -> int | None:
+    """The end of the step that ran the first ``request_finished`` among
+    ``events``, None where none ran in a step (no connector)."""
+    for finished in (e for e in events if e.name == "request_finished"):
+        for step in (e for e in events if e.name in STEP):
+            if (
+                step.pid == finished.pid
+                and step.start_ns <= finished.start_ns
+                and finished.end_ns <= step.end_ns
+            ):
+                return step.end_ns
+    return None
+
+
 def split(events: Sequence[Event], start_ns: int, end_ns: int) -> dict[str, float]:
     """The phases of the one request served in ``[start_ns, end_ns]`` (the
     engine served nothing else then), in ms; empty where no ``LLM.generate``
@@ -235,11 +249,19 @@ def split(events: Sequence[Event], start_ns: int, end_ns: int) -> dict[str, floa
     if not generates:
         return {}
     whole = generates[-1]
-    # what ran while the caller waited (an engine may step again after it
-    # answered, e.g. to free blocks a connector still held: not this request's)
+    # what ran while the caller waited
     inside = [
         e for e in events if e.start_ns >= whole.start_ns and e.end_ns <= whole.end_ns
     ]
+    # The answer leaves the engine core at the end of the step in which the
+    # scheduler finished the request (the connector's request_finished runs in
+    # it). vLLM steps once more right after, to tell the workers which requests
+    # finished, while the front turns the answer into the return value: whether
+    # that step ends before the return is a race, so it is never this request's
+    # engine time; the front's share includes it.
+    answer_end = _answer_step_end(inside)
+    if answer_end is not None:
+        inside = [e for e in inside if e.end_ns <= answer_end]
     steps = [e for e in inside if e.name in STEP]
     span = (steps[-1].end_ns - steps[0].start_ns) / 1e6 if steps else 0.0
     steps_ms = sum(e.ms for e in steps)

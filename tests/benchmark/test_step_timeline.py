@@ -83,3 +83,26 @@ def test_wait_for_save_counts_in_the_call_that_contains_it():
 
 def test_a_window_without_a_finished_generate_has_no_phases():
     assert step_timeline.split(request(EXECUTE), 0, 10 * MS) == {}
+
+
+def test_the_step_after_the_answer_is_the_fronts_even_when_it_ends_first():
+    """vLLM steps once more after the step that finished the request (to tell
+    the workers): that step is left out even when it ends before the return,
+    and its time counts in the front's share."""
+    events = request(EXECUTE)
+    answered = [
+        Event("request_finished", CORE, 17 * MS + MS // 2, 17 * MS + MS // 2 + 1),
+        Event("EngineCore.step", CORE, 18 * MS + MS // 4, 19 * MS),  # before 20
+        Event("Worker.execute_model", CORE, 18 * MS + MS // 2, 19 * MS),
+    ]
+    events = sorted(events + answered, key=lambda e: e.start_ns)
+    phases = step_timeline.split(events, -MS, 30 * MS)
+    assert phases["engine steps (count)"] == 2
+    assert phases["engine steps"] == 15
+    assert phases["  execute_model"] == 9
+    assert phases["front: generate to first step, last step to return"] == 4
+    # without the connector's mark, a step that ends in the window is counted
+    plain = step_timeline.split(
+        [e for e in events if e.name != "request_finished"], -MS, 30 * MS
+    )
+    assert plain["engine steps (count)"] == 3
