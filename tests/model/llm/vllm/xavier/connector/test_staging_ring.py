@@ -38,7 +38,7 @@ def test_a_malformed_ring_size_names_the_variable(monkeypatch, raw):
         ring_bytes_from_env()
 
 
-def ring(requested=None, *, block=BLOCK_8B, step_tokens=2048, budget=0):
+def ring(requested=None, *, block=BLOCK_8B, step_tokens=2048, budget=16 << 30):
     return staging_ring_nbytes(
         requested=requested,
         block_nbytes=block,
@@ -62,13 +62,18 @@ def test_a_ring_sized_by_itself_keeps_a_floor_for_small_steps_and_models():
 
 
 def test_the_ring_takes_at_most_a_quarter_of_a_device_budget():
-    assert ring(step_tokens=8192, budget=4096 * MiB) == 1024 * MiB
+    assert ring(step_tokens=16384, budget=4096 * MiB) == 1024 * MiB
     assert ring(step_tokens=2048, budget=4096 * MiB) == 64 * BLOCK_8B  # fits
     # a small budget keeps most of itself for the tier, the floor included
     assert ring(block=64 * 1024, budget=16 * MiB) == 4 * MiB
     # an explicit size is capped as well, and rounded down to whole blocks
     assert ring(2048 * MiB, budget=4096 * MiB) == 1024 * MiB
     assert ring(5 * MiB) == BLOCK_8B
-    assert ring(0, budget=4096 * MiB) == 0
-    # without a budget (CPU tier only) the ring stands beside it, uncapped
-    assert ring(2048 * MiB) == 2048 * MiB
+    assert ring(0) == 0
+
+
+def test_without_a_budget_the_ring_keeps_the_floor_unless_asked_for_more():
+    # nothing bounds Xavier's memory on the engine's device then: one step of an
+    # 8B model would be a 2 GiB surprise beside vLLM's share
+    assert ring(step_tokens=16384, budget=0) == MIN_RING_BYTES
+    assert ring(2048 * MiB, budget=0) == 2048 * MiB

@@ -62,22 +62,25 @@ def staging_ring_nbytes(
 ) -> int:
     """How many bytes of whole blocks the ring takes.
 
-    Unless ``requested``, the ring holds one engine step's new blocks
-    (``step_tokens``, vLLM's ``max_num_batched_tokens``, at ``block_size``
-    tokens a block), and at least ``MIN_RING_BYTES``: a prefill whose new blocks
-    do not fit waits in ``wait_for_save`` until the actor has emptied the ring,
-    which costs an 8B model's 2,048-token prefill 5-6 ms with 16 slots on an H100.
-    With a device budget (``device_budget_bytes`` > 0) the ring comes out of it,
-    so it takes at most a ``MAX_RING_SHARE_OF_BUDGET``-th of it, an explicit
-    request included.
+    With a device budget (``device_budget_bytes`` > 0) the ring comes out of it
+    and takes at most a ``MAX_RING_SHARE_OF_BUDGET``-th of it, an explicit
+    request included; unless ``requested``, it holds one engine step's new
+    blocks (``step_tokens``, vLLM's ``max_num_batched_tokens``, at
+    ``block_size`` tokens a block) and at least ``MIN_RING_BYTES``. A prefill
+    whose new blocks do not fit waits in ``wait_for_save`` until the actor has
+    emptied the ring, which costs an 8B model's 2,048-token prefill 5-6 ms with
+    16 slots on an H100. Without a budget nothing bounds Xavier's memory on the
+    engine's device, so the ring stays at ``MIN_RING_BYTES`` unless requested.
     """
     if block_nbytes <= 0:
         raise ValueError(f"a block has a positive size, got {block_nbytes}")
-    if requested is None:
+    if requested is not None:
+        wanted = requested
+    elif device_budget_bytes > 0:
         step_blocks = -(-step_tokens // block_size)
         wanted = max(MIN_RING_BYTES, step_blocks * block_nbytes)
     else:
-        wanted = requested
+        wanted = MIN_RING_BYTES
     if device_budget_bytes > 0:
         wanted = min(wanted, device_budget_bytes // MAX_RING_SHARE_OF_BUDGET)
     return wanted // block_nbytes * block_nbytes
