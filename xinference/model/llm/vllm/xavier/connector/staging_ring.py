@@ -30,8 +30,9 @@ from ..engine import device
 from ..engine.blocks import BlockMajorCache
 from ..hashing import BlockHash
 
-# The least the ring holds when it is sized by itself: several hundred blocks of a
-# 0.5B model, 16 of an 8B one (4 MiB each at block size 32).
+# The ring's size without a device budget, and the least it holds when it sizes
+# itself within one: several hundred blocks of a 0.5B model, 16 of an 8B one
+# (4 MiB each at block size 32).
 MIN_RING_BYTES = 64 * 1024**2
 # With a device budget the ring is part of it (the transfer actor's device tier
 # gets the rest), and takes at most this share, so that small budgets keep a tier.

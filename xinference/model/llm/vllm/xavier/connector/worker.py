@@ -66,7 +66,7 @@ class WorkerSettings:
     layout_hint: str | None = None
     # Bytes of the staging ring asked for (rounded down to whole blocks); 0: no
     # ring, and wait_for_save waits while the actor copies straight from the
-    # engine blocks; None: one step's new blocks (staging_ring_nbytes).
+    # engine blocks; None: sized by staging_ring_nbytes.
     staging_ring_bytes: int | None = None
     step_tokens: int = 0  # vLLM's max_num_batched_tokens, for a ring sized by itself
     # the transfer actor's device budget, of which the ring takes part (0: none)
