@@ -121,19 +121,11 @@ def test_the_staging_ring_and_the_device_tier_share_the_budget(replicas):
     """The engine's worker sizes its ring out of the replica's budget (a quarter
     of 16 MiB here: one step's blocks would be more) and the actor's device tier
     holds the rest, so the two stay within xavier_gpu_cache_bytes."""
+    from xinference.model.llm.llama_shaped import kv_bytes_per_token
     from xinference.model.llm.tiny_model import TINY_QWEN2
 
     cluster, _, _ = replicas
-    shape = TINY_QWEN2
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    block = (
-        shape["num_hidden_layers"]
-        * 2  # K and V
-        * shape["num_key_value_heads"]
-        * head_dim
-        * BLOCK_SIZE
-        * 2  # bf16
-    )
+    block = kv_bytes_per_token(TINY_QWEN2) * BLOCK_SIZE
     ring_blocks = DEVICE_BUDGET // 4 // block
     for rank in (0, 1):
         store = cluster.stats(rank).store

@@ -8,7 +8,7 @@ from xinference.model.llm.vllm.xavier.connector.staging_ring import (
     MIN_RING_BYTES,
     RING_BYTES_ENV,
     ring_bytes_from_env,
-    staging_ring_nbytes,
+    staging_ring_slots,
 )
 
 MiB = 1024**2
@@ -39,13 +39,15 @@ def test_a_malformed_ring_size_names_the_variable(monkeypatch, raw):
 
 
 def ring(requested=None, *, block=BLOCK_8B, step_tokens=2048, budget=16 << 30):
-    return staging_ring_nbytes(
+    """The ring's bytes: its slots, whole blocks each."""
+    slots = staging_ring_slots(
         requested=requested,
         block_nbytes=block,
         step_tokens=step_tokens,
         block_size=32,
         device_budget_bytes=budget,
     )
+    return slots * block
 
 
 def test_a_ring_sized_by_itself_holds_one_steps_new_blocks():

@@ -43,7 +43,7 @@ RING_BYTES_ENV = "XAVIER_STAGING_RING_BYTES"
 def ring_bytes_from_env() -> int | None:
     """The ring's size asked for by the environment's ``XAVIER_STAGING_RING_BYTES``
     (bytes, or a size such as ``512MiB``; 0 for no ring), or None when it is not
-    set and the ring sizes itself (``staging_ring_nbytes``)."""
+    set and the ring sizes itself (``staging_ring_slots``)."""
     raw = os.environ.get(RING_BYTES_ENV, "").strip()
     if not raw:
         return None
@@ -53,7 +53,7 @@ def ring_bytes_from_env() -> int | None:
         raise ValueError(f"{RING_BYTES_ENV}: {exc}") from None
 
 
-def staging_ring_nbytes(
+def staging_ring_slots(
     *,
     requested: int | None,
     block_nbytes: int,
@@ -61,7 +61,7 @@ def staging_ring_nbytes(
     block_size: int,
     device_budget_bytes: int,
 ) -> int:
-    """How many bytes of whole blocks the ring takes.
+    """How many blocks the ring holds (its bytes rounded down to whole blocks).
 
     With a device budget (``device_budget_bytes`` > 0) the ring comes out of it
     and takes at most a ``MAX_RING_SHARE_OF_BUDGET``-th of it, an explicit
@@ -84,7 +84,7 @@ def staging_ring_nbytes(
         wanted = MIN_RING_BYTES
     if device_budget_bytes > 0:
         wanted = min(wanted, device_budget_bytes // MAX_RING_SHARE_OF_BUDGET)
-    return wanted // block_nbytes * block_nbytes
+    return wanted // block_nbytes
 
 
 class StagingRing:

@@ -44,7 +44,7 @@ from ..wire import LoadResult, ReplicaIdentity, StageItem
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import EndedLoads, InFlightLoad, PostedLoads, cancel_quietly
 from .load_outcomes import LoadOutcomes
-from .staging_ring import RingStaging, StagingRing, staging_ring_nbytes
+from .staging_ring import RingStaging, StagingRing, staging_ring_slots
 from .stale_loads import StaleLoad
 from .step import RequestLoad, StepMetadata
 
@@ -66,7 +66,7 @@ class WorkerSettings:
     layout_hint: str | None = None
     # Bytes of the staging ring asked for (rounded down to whole blocks); 0: no
     # ring, and wait_for_save waits while the actor copies straight from the
-    # engine blocks; None: sized by staging_ring_nbytes.
+    # engine blocks; None: sized by staging_ring_slots.
     staging_ring_bytes: int | None = None
     step_tokens: int = 0  # vLLM's max_num_batched_tokens, for a ring sized by itself
     # the transfer actor's device budget, of which the ring takes part (0: none)
@@ -150,15 +150,12 @@ class WorkerSide:
                 self._kv_caches, settings.num_blocks, settings.layout_hint
             )
             cache = BlockMajorCache(self._kv_caches, layout)
-            num_slots = (
-                staging_ring_nbytes(
-                    requested=settings.staging_ring_bytes,
-                    block_nbytes=cache.geometry.block_nbytes,
-                    step_tokens=settings.step_tokens,
-                    block_size=settings.block_size,
-                    device_budget_bytes=settings.device_budget_bytes,
-                )
-                // cache.geometry.block_nbytes
+            num_slots = staging_ring_slots(
+                requested=settings.staging_ring_bytes,
+                block_nbytes=cache.geometry.block_nbytes,
+                step_tokens=settings.step_tokens,
+                block_size=settings.block_size,
+                device_budget_bytes=settings.device_budget_bytes,
             )
             if num_slots == 0:
                 return
