@@ -125,14 +125,14 @@ class LivenessMonitor:
             if isinstance(outcome, TimeoutError):
                 if rank not in record.unresponsive:
                     logger.warning(
-                        "%s replica %d missed a health probe (%.0f s): routing "
+                        "%s replica %d missed a health probe (%g s): routing "
                         "around it until it answers",
                         uid,
                         rank,
                         self._probe_s,
                     )
                 record.unresponsive[rank] = (
-                    f"no answer to a health probe in {self._probe_s:.0f} s"
+                    f"no answer to a health probe in {self._probe_s:g} s"
                 )
             elif isinstance(outcome, xo.ActorNotExist):  # its pool runs, it not
                 dead[rank] = "its model actor no longer exists"
