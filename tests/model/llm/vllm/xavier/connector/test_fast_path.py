@@ -104,7 +104,7 @@ def test_a_holder_that_missed_its_bound_goes_the_asynchronous_way_for_a_while():
 def test_a_bounded_hit_is_answered_synchronously_and_loads_in_that_step(loop, tracker):
     holder = DeviceHolder()
     prompt = list(range(16))  # 3 loadable blocks
-    keys = publish(tracker, holder, prompt)
+    publish(tracker, holder, prompt)
     side = fast_side(loop, tracker, holder, policy())
     assert side.num_new_matched_tokens("r", prompt, 0) == (3 * BS, False)
     side.on_allocated("r", [[4, 5, 6, 7]], 3 * BS)
@@ -114,10 +114,8 @@ def test_a_bounded_hit_is_answered_synchronously_and_loads_in_that_step(loop, tr
     (item,) = step.loads
     assert item.asynchronous is False and item.bound_s is not None
     assert item.bound_s <= 0.010
-    # the block computed in the same forward waits for the load's outcome
+    # the block computed on top of the load is not staged (scheduler.py says why)
     assert step.stage == ()
-    assert [s.key for s in step.items_to_stage(set())] == [keys[3]]
-    assert step.items_to_stage({5}) == []
     assert side.stats["sync_answers"] == 1
     # counted: scheduled in the very pass that looked it up
     assert side.request_finished("r")["xavier_passes_waited"] == 0

@@ -18,7 +18,6 @@ from xinference.model.llm.vllm.xavier.connector.ranks import (
 )
 from xinference.model.llm.vllm.xavier.connector.step import (
     RequestLoad,
-    StageAfterLoad,
     StepMetadata,
 )
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
@@ -128,7 +127,6 @@ def step_with_a_load(combined: LeaseGrant) -> StepMetadata:
     return StepMetadata(
         loads=(RequestLoad("r1", load), RequestLoad("r2", None, (3,))),
         stage=(StageItem(KEYS[0], 1), StageItem(KEYS[1], 2)),
-        stage_after_load=(StageAfterLoad((7, 8, 9), (StageItem(KEYS[3], 10),)),),
     )
 
 
@@ -148,16 +146,9 @@ def test_every_rank_stages_and_loads_under_the_scheduler_s_keys():
     assert parts[0].loads[0].load.grant.tiers != parts[1].loads[0].load.grant.tiers
 
 
-def test_blocks_computed_over_a_synchronous_load_are_not_staged_with_several_ranks():
-    """A rank cannot see whether another rank's part of the load failed, and its
-    KV of the later layers attended to every rank's heads: none stages them."""
-    step = step_with_a_load(run([Holder(3), Holder(3)]))
-    assert step_for_rank(step, 0, 2).items_to_stage(set()) == list(step.stage)
-    assert step_for_rank(step, 1, 2).items_to_stage(set()) == list(step.stage)
-    # one rank: unchanged, the worker decides from its own load's outcome
+def test_one_rank_carries_the_step_as_the_scheduler_built_it():
     alone = step_with_a_load(grant(3))
     assert step_for_rank(alone, 0, 1) is alone
-    assert len(alone.items_to_stage(set())) == 3
 
 
 def test_round_trips_of_a_load_are_its_slowest_rank_s():

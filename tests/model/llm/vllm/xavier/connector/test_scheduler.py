@@ -474,11 +474,10 @@ def test_allocation_turns_the_reservation_into_a_load(loop, tracker):
     assert item.load.dst_block_ids == (8, 9)
     assert item.load.grant.keys == tuple(keys[1:3])
     assert item.load.holder_address == "nixl://holder"
-    # The loaded and the local blocks are not staged again; block 3 became full
-    # in the forward that reads the loaded blocks: staged only if the load worked.
+    # Nothing is staged: the loaded blocks are the holder's, and block 3, full
+    # after this forward, could not be found here behind them.
     assert step.stage == ()
-    assert [(s.key, s.block_id) for s in step.items_to_stage(set())] == [(keys[3], 10)]
-    assert step.items_to_stage({9}) == []
+    assert side.stats["staged_blocks"] == 0
     # The lease now belongs to the load: finishing the request does not release it.
     # Counted: scheduled in the pass that looked it up; the tracker (no mirror
     # here) and the holder asked once each, plus what the worker reported.
@@ -718,6 +717,37 @@ def test_generated_tokens_are_staged_under_the_chain_of_prompt_and_answer(
     ]
 
 
+def test_a_request_that_loaded_from_a_peer_stages_nothing_after_the_load(loop, tracker):
+    """Its prompt's later blocks and its generated ones are not staged: this
+    replica never holds the loaded blocks, and a lookup takes one holder's run
+    from the first block, so blocks behind that gap could not be found here."""
+    holder = Holder()
+    prompt = list(range(700, 717))  # 4 full blocks and a tail of 1
+    publish(tracker, holder, prompt[:8])  # the holder has the first 2
+    tokens = list(prompt)
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0, all_token_ids=tokens) == (
+        2 * BS,
+        False,
+    )
+    side.on_allocated("r", [[30, 31, 32, 33, 34]], 2 * BS)
+    prefill = side.build_step(
+        [ScheduledRequest("r", 2 * BS, 9, [30, 31, 32, 33, 34], whole_table=True)]
+    )
+    assert prefill.loads and prefill.stage == ()
+    for step, sampled in enumerate([51, 52, 53, 54]):  # fills block 4
+        tokens.append(sampled)
+        decode = side.build_step([ScheduledRequest("r", 17 + step, 1, [])])
+        assert decode.stage == ()
+    assert side.stats["staged_blocks"] == 0
+    # Why: had this replica published blocks 2 and 3, a third replica's lookup
+    # would still find the holder's 2 blocks and nothing of this one.
+    keys = hash_full_blocks(prompt, BS, NS)
+    tracker.register_replica(2, "nixl://third")
+    tracker.register_blocks(LOADER, keys[2:4])
+    assert tracker.query_prefix(2, keys) == PrefixHit(HOLDER, "nixl://holder", 2)
+
+
 def test_a_block_waits_until_vllm_hands_over_its_last_token(loop, tracker):
     """With asynchronous scheduling vLLM computes a token before the connector
     sees its id: the block is staged at a later step, never under a key guessed
@@ -745,7 +775,8 @@ def test_a_prompt_that_is_not_the_start_of_the_tokens_is_refused(loop, tracker):
 def test_blocks_recomputed_after_a_failed_load_are_staged(loop, tracker):
     """A synchronous load fails: the blocks computed in its forward on top of the
     loaded ones are not published, and after vLLM recomputes from the first failed
-    block, every block from there on is staged with its right key."""
+    block, every block from there on is staged with its right key (this replica
+    now holds the prefix up to its end)."""
     holder = Holder()
     prompt = list(range(900, 917))  # 4 full blocks and a tail of 1
     keys = publish(tracker, holder, prompt[:8])  # the holder has 2 blocks
@@ -757,11 +788,6 @@ def test_blocks_recomputed_after_a_failed_load_are_staged(loop, tracker):
     )
     assert step.stage == ()
     all_keys = hash_full_blocks(prompt, BS, NS)
-    assert [(s.key, s.block_id) for s in step.items_to_stage(set())] == [
-        (all_keys[2], 22),
-        (all_keys[3], 23),
-    ]
-    assert step.items_to_stage({21}) == []  # what the worker does on failure
     side.loads_failed({21})
     assert side.stats["loads_failed"] == 1
     # vLLM truncates the computed tokens to the failed block and recomputes.
@@ -784,7 +810,7 @@ def test_a_load_that_cannot_start_stages_nothing_in_its_step(loop, tracker):
     step = side.build_step(
         [ScheduledRequest("r", 2 * BS, 5, [0, 5, 6, 7], whole_table=True)]
     )
-    assert step.items_to_stage(set()) == []
+    assert step.stage == ()
     side.loads_failed({5})
     again = side.build_step([ScheduledRequest("r", BS, 9, [])])
     assert [s.block_id for s in again.stage] == [5, 6]  # 7 holds the tail

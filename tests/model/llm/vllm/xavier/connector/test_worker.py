@@ -22,7 +22,6 @@ from xinference.model.llm.vllm.xavier.connector.scheduler import (
     RequestLoad,
     StepMetadata,
 )
-from xinference.model.llm.vllm.xavier.connector.step import StageAfterLoad
 from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
 from xinference.model.llm.vllm.xavier.engine.device import DeviceWorkMark
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
@@ -471,44 +470,6 @@ def test_async_load_is_reported_finished(cluster, loop):
     assert finished == {"r2"}
     assert pair.loader.get_block_ids_with_load_errors() == set()
     assert_same_blocks(pair, [1, 2, 4], [9, 10, 11])
-
-
-def test_blocks_computed_on_a_failed_synchronous_load_are_not_staged(cluster, loop):
-    """A synchronous load fails before the forward: the blocks its request computed
-    on top of the unwritten ones are not published; the step's other blocks are."""
-    pair = Pair(cluster, loop, load_async=False)
-    grant = pair.reserve(pair.stage([6]), "lease-before-forward")
-    forged = type(grant)(
-        "lease-nobody-granted",
-        grant.holder_rank,
-        grant.keys,
-        grant.tiers,
-        grant.logical_dtypes,
-    )
-    fresh = hash_full_blocks(list(range(2 * BS)), BS, "computed-this-step")
-    step = StepMetadata(
-        loads=pair.load_step("r5", forged, [12]).loads,
-        stage=(StageItem(fresh[0], 13),),
-        stage_after_load=(StageAfterLoad((12,), (StageItem(fresh[1], 14),)),),
-    )
-    pair.loader.start_load_kv(step)
-    pair.loader.wait_for_save(step)
-    assert pair.loader.get_block_ids_with_load_errors() == {12}
-
-    loader_actor = pair.cluster.transfer_refs[pair.loader_rank]
-
-    def held(key: bytes, lease_id: str) -> bool:
-        grant = pair.cluster.call(
-            loader_actor.reserve([key], lease_id, pair.loader_identity)
-        )
-        pair.cluster.call(loader_actor.release(lease_id))
-        return grant.keys == (key,)
-
-    deadline = time.monotonic() + 20
-    while not held(fresh[0], f"probe-{time.monotonic()}"):
-        assert time.monotonic() < deadline, "the unconditional block was not staged"
-        time.sleep(0.05)
-    assert not held(fresh[1], "probe-conditional")
 
 
 @pytest.mark.parametrize("load_async", [False, True])

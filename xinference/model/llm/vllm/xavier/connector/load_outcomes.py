@@ -16,7 +16,7 @@ over the code that talks to the actor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Set
+from collections.abc import Iterable
 
 from ..wire import LoadResult
 from .load_completions import EndedLoads, InFlightLoad
@@ -87,11 +87,6 @@ class LoadOutcomes:
                 self.fail(item.req_id, item.failed_block_ids, asynchronous)
             elif item.load.load_id not in self.in_flight:
                 self.fail(item.req_id, item.load.dst_block_ids, asynchronous)
-
-    @property
-    def failed_blocks(self) -> Set[int]:
-        """The failed blocks not yet reported to vLLM (not to be staged)."""
-        return self._load_errors
 
     def take_finished(self) -> set[str]:
         """The requests whose asynchronous load ended since the last call."""

@@ -12,9 +12,8 @@ A load completes only when every rank's part did: each worker half reports its o
 failed blocks, and vLLM's KV output aggregator hands the scheduler the union (and a
 request's asynchronous load as finished only once every rank reported it), so a
 block any rank failed is recomputed on all ranks, from the first failed block on.
-What a rank computes in the same forward as a synchronous load attended to every
-rank's loaded KV, which a worker cannot see: with N > 1 those blocks are not staged
-(``step_for_rank``), so no rank publishes KV computed over another rank's failed load.
+A request with a load stages nothing after it (``scheduler.py`` says why), so no
+rank publishes KV computed over another rank's failed load.
 """
 
 from __future__ import annotations
@@ -94,13 +93,12 @@ def shard_for_rank(grant: LeaseGrant, tp_rank: int) -> LeaseGrant:
 
 def step_for_rank(step: StepMetadata, tp_rank: int, tp_size: int) -> StepMetadata:
     """The step as worker ``tp_rank`` of ``tp_size`` carries it out: each load
-    with this rank's part of its grant, and (N > 1) without the blocks whose
-    staging depends on a synchronous load's success (see the module docstring).
-    The keys to stage and load are the scheduler's, the same on every rank."""
+    with this rank's part of its grant. The keys to stage and load are the
+    scheduler's, the same on every rank."""
     if tp_size == 1:
         return step
     loads = tuple(_load_for_rank(item, tp_rank) for item in step.loads)
-    return dataclasses.replace(step, loads=loads, stage_after_load=())
+    return dataclasses.replace(step, loads=loads)
 
 
 def _load_for_rank(item: RequestLoad, tp_rank: int) -> RequestLoad:

@@ -18,7 +18,10 @@ Per request it
 3. after vLLM allocated destination blocks, turns the reservation into a load;
 4. each step, names the blocks that became full, to stage and publish them: prompt
    blocks, blocks of generated tokens (a later turn of the conversation, on another
-   replica, starts with them) and blocks recomputed after a failed load;
+   replica, starts with them) and blocks recomputed after a failed load. A request
+   that loaded blocks from a peer publishes none after them: this replica does not
+   hold the loaded ones, and a lookup takes one holder's run of blocks from the
+   first, so nothing after the gap could ever be found here;
 5. releases a reservation that never became a load when the request goes away.
 
 A failed, refused or late answer from a peer is a miss: the engine computes the
@@ -50,7 +53,7 @@ from .reservations import (
     Reserve,
 )
 from .stale_loads import StaleLoad
-from .step import RequestLoad, ScheduledRequest, StageAfterLoad, StepMetadata
+from .step import RequestLoad, ScheduledRequest, StepMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -452,20 +455,16 @@ class SchedulerSide:
         A block is staged in the step whose forward completes its KV, or later
         while its request is still scheduled (a generated token vLLM has not
         handed over yet), never before all of its tokens are known: its key is
-        the chain hash of exactly those tokens. Blocks a request computes in the
-        same forward as its synchronous load are staged only if that load
-        succeeds (their KV attended to the loaded blocks).
+        the chain hash of exactly those tokens. A request with a load (under way
+        or done) stages nothing: its blocks after the load are unreachable here
+        (the module docstring says why). Should the load fail, ``loads_failed``
+        moves the mark back and the blocks vLLM recomputes are staged then.
         """
         block_size = self._settings.block_size
         loads, self._new_loads = tuple(self._new_loads), []
-        # a synchronous load fills its blocks before this step's forward
-        loading_now = {
-            item.req_id: item
-            for item in loads
-            if not item.is_async(self._settings.load_async)
-        }
+        # vLLM recomputes a load that cannot start from its first block on
+        not_started = {item.req_id for item in loads if item.load is None}
         stage: list[StageItem] = []
-        conditional: list[StageAfterLoad] = []
         for item in scheduled:
             state = self._requests.get(item.req_id)
             if state is None:
@@ -496,31 +495,17 @@ class SchedulerSide:
                     block_size,
                     self._settings.namespace,
                 )
-            items = tuple(
+            first, state.staged_upto = state.staged_upto, max(state.staged_upto, full)
+            if state.loaded_into or item.req_id in not_started:
+                continue  # see the docstring; loads_failed stages them again
+            stage.extend(
                 StageItem(state.keys[index], table[index])
-                for index in range(state.staged_upto, full)
+                for index in range(first, full)
             )
-            state.staged_upto = max(state.staged_upto, full)
-            if not items:
-                continue
-            load = loading_now.get(item.req_id)
-            if load is not None and load.load is None:
-                # The load cannot start: vLLM recomputes the request from its
-                # first failed block (loads_failed stages those blocks again).
-                continue
-            if load is not None and load.load is not None:
-                conditional.append(StageAfterLoad(load.load.dst_block_ids, items))
-            else:
-                stage.extend(items)
-        self.stats["staged_blocks"] += len(stage) + sum(
-            len(c.items) for c in conditional
-        )
+        self.stats["staged_blocks"] += len(stage)
         self._passes += 1
         return StepMetadata(
-            loads=loads,
-            stage=tuple(stage),
-            load_async=self._settings.load_async,
-            stage_after_load=tuple(conditional),
+            loads=loads, stage=tuple(stage), load_async=self._settings.load_async
         )
 
     # ---- end of a request -------------------------------------------------------

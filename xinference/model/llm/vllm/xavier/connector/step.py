@@ -5,7 +5,7 @@ metadata."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..wire import LoadRequest, StageItem
@@ -34,35 +34,12 @@ class RequestLoad:
 
 
 @dataclass(frozen=True, slots=True)
-class StageAfterLoad:
-    """Blocks a request computes in the same forward as its synchronous load.
-
-    Their KV attended to the loaded blocks: if any of ``load_block_ids`` failed to
-    load, they hold KV of the wrong context and must not be published (vLLM
-    recomputes them, and they are staged then).
-    """
-
-    load_block_ids: tuple[int, ...]
-    items: tuple[StageItem, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class StepMetadata:
     """Scheduler -> worker, once per step."""
 
     loads: tuple[RequestLoad, ...] = ()
     stage: tuple[StageItem, ...] = ()
     load_async: bool = False  # the deployment's default (GPU-first); see RequestLoad
-    stage_after_load: tuple[StageAfterLoad, ...] = ()
-
-    def items_to_stage(self, failed_block_ids: Collection[int]) -> list[StageItem]:
-        """What to stage after this step's forward, given the blocks whose load
-        failed (in this step or not yet reported)."""
-        items = list(self.stage)
-        for group in self.stage_after_load:
-            if not any(block in failed_block_ids for block in group.load_block_ids):
-                items.extend(group.items)
-        return items
 
 
 @dataclass(frozen=True, slots=True)

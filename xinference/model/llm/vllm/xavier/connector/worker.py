@@ -449,9 +449,7 @@ class WorkerSide:
         stagings to free their slots). Without one, waits for the actor's copy:
         the blocks are certain to hold this request's KV only until the next step.
         """
-        # This step's failed synchronous loads are known here (reported to vLLM
-        # only after this call): blocks computed on top of them are left out.
-        items = step.items_to_stage(self._loads.failed_blocks)
+        items = step.stage
         if not items or self._actor is None:
             return
         if self._ring is None:
@@ -478,7 +476,7 @@ class WorkerSide:
                 len(pending),
             )
 
-    def _stage_through_ring(self, items: list[StageItem]) -> None:
+    def _stage_through_ring(self, items: Sequence[StageItem]) -> None:
         assert self._ring is not None
         slots = self._ring.copy_in([item.block_id for item in items])
         copied = device.DeviceWorkMark(self._ring.rows.device)
