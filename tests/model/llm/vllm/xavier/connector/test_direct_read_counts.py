@@ -1,6 +1,6 @@
 """The engine process's direct-read totals reach the transfer actor's counters
-(``connector/direct_read_counts.py``) without the engine thread waiting, and a
-report that failed is made good by the next one. The real reads that move these
+(``connector/direct_read_counts.py``) without the engine thread waiting, a delay
+after they moved, and a report that failed is made good by the next one. The real reads that move these
 totals are in ``test_direct_reads.py``."""
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ def loop() -> Iterator[BackgroundLoop]:
     background.close()
 
 
-def counting(loop: BackgroundLoop, actor: Actor) -> tuple[DirectReadCounts, Any]:
+def counting(
+    loop: BackgroundLoop, actor: Actor, delay_s: float = 0.02
+) -> tuple[DirectReadCounts, Any]:
     async def own_actor() -> Actor:
         return actor
 
-    counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0)
+    counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0, delay_s=delay_s)
     reads = types.SimpleNamespace(loads=0, stale=0, seconds=0.0)
     make = counts.watch(lambda kv_caches: reads)  # type: ignore[arg-type,return-value]
     assert make is not None
@@ -83,6 +85,25 @@ def test_totals_are_sent_once_each_time_they_move(loop):
     assert counters.direct_read_seconds == 0.004
 
 
+def test_a_report_waits_its_delay_and_carries_every_move_within_it(loop):
+    """Not sent from the step that moved the totals (its answer is still being
+    handed back), and the steps within the delay add no report of their own."""
+    actor = Actor()
+    counts, reads = counting(loop, actor, delay_s=0.5)
+    reads.loads, reads.seconds = 1, 0.002
+    began = time.monotonic()
+    counts.report()
+    time.sleep(0.2)
+    assert actor.calls == 0
+    reads.loads, reads.seconds = 2, 0.005  # the next step's hit
+    counts.report()
+    settled(counts)
+    assert time.monotonic() - began >= 0.5
+    assert actor.calls == 1
+    assert actor.counters.direct_reads == 2
+    assert actor.counters.direct_read_seconds == 0.005
+
+
 def test_a_failed_report_is_made_good_by_the_next(loop):
     actor = Actor(failures=1)
     counts, reads = counting(loop, actor)
@@ -98,7 +119,7 @@ def test_a_failed_report_is_made_good_by_the_next(loop):
 def test_the_engine_thread_never_waits_and_reports_do_not_pile_up(loop):
     actor = Actor()
     actor.gate.clear()  # the actor does not answer
-    counts, reads = counting(loop, actor)
+    counts, reads = counting(loop, actor, delay_s=0.2)
     for step in range(1, 6):
         reads.loads = step
         began = time.perf_counter()
@@ -108,12 +129,17 @@ def test_the_engine_thread_never_waits_and_reports_do_not_pile_up(loop):
     while actor.calls == 0:
         assert time.monotonic() < deadline
         time.sleep(0.005)
+    for step in range(6, 9):  # steps while the report waits for the actor
+        reads.loads = step
+        counts.report()
+    time.sleep(0.3)
     assert actor.calls == 1  # one on its way; the later steps sent nothing
     loop.run(_set(actor.gate), 5)
     settled(counts)
+    assert actor.counters.direct_reads == 5  # the totals when its delay ended
     counts.report()  # the newest totals go once the first report ended
     settled(counts)
-    assert actor.calls == 2 and actor.counters.direct_reads == 5
+    assert actor.calls == 2 and actor.counters.direct_reads == 8
 
 
 def test_an_older_total_never_takes_a_counter_back():
