@@ -155,6 +155,11 @@ class PrefixIndex:
     def holds(self, rank: int) -> bool:
         return rank in self._blocks_of
 
+    def held_by(self, rank: int, keys: Iterable[BlockHash]) -> set[BlockHash]:
+        """Those of ``keys`` that ``rank`` holds."""
+        held = self._blocks_of.get(rank, {})
+        return {key for key in keys if key in held}
+
     def num_blocks(self, rank: int) -> int:
         return len(self._blocks_of.get(rank, ()))
 

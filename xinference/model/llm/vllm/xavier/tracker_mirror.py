@@ -83,6 +83,11 @@ class TrackerMirror:
             return None  # a holder whose address has not arrived yet
         return PrefixHit(rank=holder, address=address, num_blocks=depth)
 
+    def held_by(self, rank: int, keys: Sequence[BlockHash]) -> set[BlockHash]:
+        """Those of ``keys`` the tracker lists for ``rank``, as last mirrored."""
+        with self._lock:
+            return self._index.held_by(rank, keys)
+
     def locate(
         self, rank: int, keys: Sequence[BlockHash]
     ) -> list[tuple[int, int]] | None:

@@ -875,6 +875,21 @@ def test_a_stale_mirror_costs_a_miss_never_a_wrong_load(loop, tracker):
     assert holder.released == [holder.reserved[0][0]]
 
 
+def test_a_block_this_replica_already_published_is_not_staged_again(loop, tracker):
+    """A local hit recomputes the block that holds its prompt's last token; the
+    serve that cached the prompt here published it, so only blocks the tracker
+    does not list for this replica are staged."""
+    prompt = list(range(300, 312))  # 3 full blocks
+    keys = hash_full_blocks(prompt, BS, NS)
+    tracker.register_blocks(LOADER, keys[:2])
+    mirror = synced_mirror(loop, tracker)
+    side = make_side(loop, tracker, Holder(), mirror=mirror)
+    side.num_new_matched_tokens("r", prompt, 0)
+    step = side.build_step([ScheduledRequest("r", 0, 12, [4, 5, 6], whole_table=True)])
+    assert [(s.key, s.block_id) for s in step.stage] == [(keys[2], 6)]
+    assert side.stats["already_published"] == 2
+
+
 def test_until_the_mirror_is_ready_the_tracker_is_asked(loop, tracker):
     holder = Holder()
     publish(tracker, holder, list(range(20)))

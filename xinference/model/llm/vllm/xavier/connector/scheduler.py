@@ -21,7 +21,8 @@ Per request it
    replica, starts with them) and blocks recomputed after a failed load. A request
    that loaded blocks from a peer publishes none after them: this replica does not
    hold the loaded ones, and a lookup takes one holder's run of blocks from the
-   first, so nothing after the gap could ever be found here;
+   first, so nothing after the gap could ever be found here. Blocks the tracker
+   already lists for this replica are not staged again;
 5. releases a reservation that never became a load when the request goes away.
 
 A failed, refused or late answer from a peer is a miss: the engine computes the
@@ -117,6 +118,7 @@ class SchedulerSide:
             "lease_free_answers": 0,  # of sync_answers, made with no reservation
             "stale_loads": 0,  # lease-free loads that found stale locations
             "staged_blocks": 0,
+            "already_published": 0,  # full blocks not staged: listed for us
         }
         self._mirror = mirror
         self._reservations = Reservations(
@@ -502,11 +504,25 @@ class SchedulerSide:
                 StageItem(state.keys[index], table[index])
                 for index in range(first, full)
             )
+        stage = self._not_published_here(stage)
         self.stats["staged_blocks"] += len(stage)
         self._passes += 1
         return StepMetadata(
             loads=loads, stage=tuple(stage), load_async=self._settings.load_async
         )
+
+    def _not_published_here(self, items: list[StageItem]) -> list[StageItem]:
+        """``items`` less the blocks the tracker already lists for this replica,
+        as the mirror last saw it. A local hit recomputes the block that holds
+        its prompt's last token, which the serve that cached the prompt here
+        staged already. A block the mirror does not list yet is staged again, as
+        every block was before this check."""
+        mirror = self._mirror
+        if not items or mirror is None:
+            return items
+        held = mirror.held_by(self._settings.rank, [item.key for item in items])
+        self.stats["already_published"] += len(held)
+        return [item for item in items if item.key not in held]
 
     # ---- end of a request -------------------------------------------------------
 
