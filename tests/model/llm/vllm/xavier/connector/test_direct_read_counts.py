@@ -1,7 +1,7 @@
 """The engine process's direct-read totals reach the transfer actor's counters
 (``connector/direct_read_counts.py``) without the engine thread waiting, a delay
-after they moved, and a report that failed is made good by the next one. The real reads that move these
-totals are in ``test_direct_reads.py``."""
+after they moved, and a report that failed is made good by the next one. The
+real reads that move these totals are in ``test_direct_reads.py``."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def test_a_report_waits_its_delay_and_carries_every_move_within_it(loop):
     """Not sent from the step that moved the totals (its answer is still being
     handed back), and the steps within the delay add no report of their own."""
     actor = Actor()
-    counts, reads = counting(loop, actor, delay_s=0.5)
+    delay_s = 1.0  # far past the 0.2 s below, so a stalled test thread still sees 0
+    counts, reads = counting(loop, actor, delay_s=delay_s)
     reads.loads, reads.seconds = 1, 0.002
     began = time.monotonic()
     counts.report()
@@ -98,7 +99,7 @@ def test_a_report_waits_its_delay_and_carries_every_move_within_it(loop):
     reads.loads, reads.seconds = 2, 0.005  # the next step's hit
     counts.report()
     settled(counts)
-    assert time.monotonic() - began >= 0.5
+    assert time.monotonic() - began >= delay_s
     assert actor.calls == 1
     assert actor.counters.direct_reads == 2
     assert actor.counters.direct_read_seconds == 0.005
