@@ -21,6 +21,11 @@ from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, Wo
 MAP_DEADLINE_S = 0.3
 # What an attempt may take beyond its deadline on a loaded machine.
 MARGIN_S = 0.5
+# The deadline starts when the attempt is scheduled on the loop; the actor's call
+# is made in the attempt's first step, a loop iteration later, so the time the
+# actor sees can fall short of the deadline by that iteration (CI saw 0.2977 s
+# for 0.3 s on a loaded machine).
+LOOP_STEP_S = 0.05
 
 
 class SilentActor:
@@ -74,6 +79,7 @@ def test_a_mapping_that_never_answers_is_given_up_at_its_deadline(loop):
         # The first attempt was cancelled at its deadline and a second one began.
         assert len(actor.calls) >= 2, "the first mapping attempt never ended"
         first_gave_up = actor.cancelled[0] - actor.calls[0]
-        assert MAP_DEADLINE_S <= first_gave_up < MAP_DEADLINE_S + MARGIN_S
+        assert MAP_DEADLINE_S - LOOP_STEP_S <= first_gave_up
+        assert first_gave_up < MAP_DEADLINE_S + MARGIN_S
     finally:
         worker.close()
