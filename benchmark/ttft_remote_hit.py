@@ -93,7 +93,7 @@ from xinference.model.llm.tiny_model import (  # noqa: E402
     qwen25_05b_shaped,
 )
 from xinference.model.llm.vllm.xavier.connector.direct_read_counts import (  # noqa: E402
-    REPORT_DELAY_S,
+    REPORTED_WITHIN_S,
 )
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks  # noqa: E402
 
@@ -216,7 +216,7 @@ def measure_variant(
             if args.timeline:
                 row["phases"] = phases(Path(b_env[step_timeline.ENV]), windows)
             rows.append(row)
-        time.sleep(REPORT_DELAY_S + 0.5)  # B's last direct reads reach its actor
+        time.sleep(REPORTED_WITHIN_S + 0.5)  # B's last direct reads reach its actor
         stats = {rank: cluster.stats(rank).as_dict() for rank in (0, 1)}
     finally:
         for engine in engines.values():

@@ -1,7 +1,8 @@
 """The engine process's direct-read totals reach the transfer actor's counters
-(``connector/direct_read_counts.py``) without the engine thread waiting, a delay
-after they moved, and a report that failed is made good by the next one. The
-real reads that move these totals are in ``test_direct_reads.py``."""
+(``connector/direct_read_counts.py``) from a task of the background loop: once
+they stood still for a look, or after a few looks under steady moves, and a
+report that failed is made good by the next one. The real reads that move these
+totals are in ``test_direct_reads.py``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
 from xinference.model.llm.vllm.xavier.connector.direct_read_counts import (
+    MAX_LOOKS_DEFERRED,
     DirectReadCounts,
 )
 from xinference.model.llm.vllm.xavier.stats import ActorCounters
@@ -27,12 +29,14 @@ class Actor:
     def __init__(self, failures: int = 0) -> None:
         self.counters = ActorCounters()
         self.calls = 0
+        self.called_at: list[float] = []  # monotonic time of each call
         self.failures = failures
         self.gate = asyncio.Event()
         self.gate.set()
 
     async def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
         self.calls += 1
+        self.called_at.append(time.monotonic())
         await self.gate.wait()
         if self.failures:
             self.failures -= 1
@@ -61,86 +65,85 @@ def counting(
     return counts, reads
 
 
-def settled(counts: DirectReadCounts) -> None:
-    deadline = time.monotonic() + 5
-    while counts._sending is not None and not counts._sending.done():
-        assert time.monotonic() < deadline, "a report never ended"
+def wait_for(condition: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
         time.sleep(0.005)
 
 
 def test_totals_are_sent_once_each_time_they_move(loop):
     actor = Actor()
     counts, reads = counting(loop, actor)
-    counts.report()
-    settled(counts)
+    time.sleep(0.2)  # ten looks
     assert actor.calls == 0  # nothing read yet: nothing to send
     reads.loads, reads.stale, reads.seconds = 3, 1, 0.004
-    counts.report()
-    settled(counts)
-    counts.report()  # unchanged since the actor took them
-    settled(counts)
+    wait_for(lambda: actor.calls == 1, "the moved totals were never sent")
+    time.sleep(0.2)  # ten more looks at unchanged totals
     assert actor.calls == 1
     counters = actor.counters
     assert (counters.direct_reads, counters.direct_reads_stale) == (3, 1)
     assert counters.direct_read_seconds == 0.004
+    assert counts.acknowledged == (3, 1, 0.004)
+    reads.loads = 4
+    wait_for(lambda: actor.calls == 2, "the next move was never sent")
+    assert counters.direct_reads == 4
 
 
-def test_a_report_waits_its_delay_and_carries_every_move_within_it(loop):
-    """Not sent from the step that moved the totals (its answer is still being
-    handed back), and the steps within the delay add no report of their own."""
+def test_a_report_waits_until_the_totals_stood_still_for_a_look(loop):
+    """Never sent in the steps right after a hit (its answer is still being
+    handed back): the totals of hits within one look go in one report, a look
+    after the last of them."""
     actor = Actor()
-    delay_s = 1.0  # far past the 0.2 s below, so a stalled test thread still sees 0
+    delay_s = 0.5  # a test thread would have to stall this long between moves
     counts, reads = counting(loop, actor, delay_s=delay_s)
-    reads.loads, reads.seconds = 1, 0.002
-    began = time.monotonic()
-    counts.report()
-    time.sleep(0.2)
+    for hit in range(1, 21):  # a hit every 50 ms for a second: two looks
+        reads.loads, reads.seconds = hit, hit * 0.001
+        time.sleep(0.05)
+    last_move = time.monotonic() - 0.05
     assert actor.calls == 0
-    reads.loads, reads.seconds = 2, 0.005  # the next step's hit
-    counts.report()
-    settled(counts)
-    assert time.monotonic() - began >= delay_s
-    assert actor.calls == 1
-    assert actor.counters.direct_reads == 2
-    assert actor.counters.direct_read_seconds == 0.005
+    wait_for(lambda: actor.calls == 1, "no report after the hits stopped")
+    assert actor.called_at[0] - last_move >= delay_s
+    assert actor.counters.direct_reads == 20
+    assert actor.counters.direct_read_seconds == 0.02
+
+
+def test_under_steady_hits_a_report_goes_all_the_same(loop):
+    """Totals that move at every look are still sent, after a few looks."""
+    actor = Actor()
+    delay_s = 0.02
+    counts, reads = counting(loop, actor, delay_s=delay_s)
+    began = time.monotonic()
+    while actor.calls == 0:
+        assert time.monotonic() - began < 5, "moving totals were never reported"
+        reads.loads += 1  # a hit every 2 ms, ten per look
+        time.sleep(0.002)
+    assert actor.called_at[0] - began >= MAX_LOOKS_DEFERRED * delay_s
+    wait_for(lambda: actor.counters.direct_reads > 0, "the report never landed")
 
 
 def test_a_failed_report_is_made_good_by_the_next(loop):
     actor = Actor(failures=1)
     counts, reads = counting(loop, actor)
     reads.loads = 2
-    counts.report()
-    settled(counts)
-    assert actor.counters.direct_reads == 0
-    counts.report()  # the next step: the same totals again
-    settled(counts)
-    assert actor.counters.direct_reads == 2 and actor.calls == 2
+    wait_for(lambda: actor.calls == 2, "a failed report was not sent again")
+    wait_for(lambda: actor.counters.direct_reads == 2, "the second report failed")
+    assert counts.acknowledged == (2, 0, 0.0)
 
 
-def test_the_engine_thread_never_waits_and_reports_do_not_pile_up(loop):
+def test_reports_do_not_pile_up_while_the_actor_is_slow(loop):
     actor = Actor()
     actor.gate.clear()  # the actor does not answer
-    counts, reads = counting(loop, actor, delay_s=0.2)
-    for step in range(1, 6):
+    counts, reads = counting(loop, actor, delay_s=0.02)
+    reads.loads = 5
+    wait_for(lambda: actor.calls == 1, "the totals were never sent")
+    for step in range(6, 9):  # hits while the report waits for the actor
         reads.loads = step
-        began = time.perf_counter()
-        counts.report()
-        assert time.perf_counter() - began < 0.1
-    deadline = time.monotonic() + 5
-    while actor.calls == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    for step in range(6, 9):  # steps while the report waits for the actor
-        reads.loads = step
-        counts.report()
-    time.sleep(0.3)
-    assert actor.calls == 1  # one on its way; the later steps sent nothing
+        time.sleep(0.05)
+    assert actor.calls == 1  # one on its way; nothing more was sent
     loop.run(_set(actor.gate), 5)
-    settled(counts)
-    assert actor.counters.direct_reads == 5  # the totals when its delay ended
-    counts.report()  # the newest totals go once the first report ended
-    settled(counts)
-    assert actor.calls == 2 and actor.counters.direct_reads == 8
+    wait_for(lambda: actor.counters.direct_reads == 8, "the newest totals never went")
+    assert actor.calls == 2  # the totals when it was sent, then the newest
 
 
 def test_an_older_total_never_takes_a_counter_back():

@@ -307,10 +307,9 @@ def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float
     async def own_actor() -> CountingActor:
         return actor
 
-    counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0)
+    counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0, delay_s=0.05)
     make = counts.watch(lambda kv_caches: reads)
-    assert make is not None and make([]) is reads
-    counts.report()  # after a step's loads, as the facade calls it
+    assert make is not None and make([]) is reads  # reporting from here on
     deadline = time.monotonic() + 10
     while actor.counters.direct_reads < reads.loads and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -110,7 +110,7 @@ def test_a_bounded_hit_loads_in_the_lookup_pass_with_exact_outputs(replicas):
     stats = cluster.stats(1).actor
     assert stats.loads_ok == 1 and stats.loads_past_bound == 0
     # and learns of the READ B's engine made itself from the worker, which
-    # reports it a second after the step, without waiting for the answer
+    # reports it from its background loop within two seconds
     deadline = time.monotonic() + 10
     while cluster.stats(1).actor.direct_reads < 1 and time.monotonic() < deadline:
         time.sleep(0.05)

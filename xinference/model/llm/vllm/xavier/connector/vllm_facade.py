@@ -149,7 +149,6 @@ class XavierConnector(KVConnectorBase_V1):
         self._mirror: TrackerMirror | None = None
         self._mirror_run: concurrent.futures.Future[None] | None = None
         self._worker: WorkerSide | None = None
-        self._direct_counts: DirectReadCounts | None = None  # the worker's
         # Loads whose fallback failed too (update_state_after_alloc): the next
         # step reports their blocks as failed all the same (see _last_resort).
         self._unreported_failures: list[RequestLoad] = []
@@ -202,14 +201,15 @@ class XavierConnector(KVConnectorBase_V1):
                 holder_calls=self._holder_transport_call,
                 rpc_timeout_s=options.rpc_timeout_s,
             )
-            self._direct_counts = DirectReadCounts(
+            # its totals go to the transfer actor from the loop, once a second
+            counts = DirectReadCounts(
                 self._loop, self._transfer_actor, options.rpc_timeout_s
             )
             self._worker = WorkerSide(
                 worker_settings,
                 self._loop,
                 self._transfer_actor,
-                self._direct_counts.watch(direct_reads),
+                counts.watch(direct_reads),
             )
 
     @property
@@ -515,15 +515,7 @@ class XavierConnector(KVConnectorBase_V1):
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        # The totals of this step's direct reads are scheduled from here, after
-        # the forward, and sent a second later (direct_read_counts.py): the
-        # report's Python runs on the background loop's thread and takes the
-        # GIL from the engine's own (a fast hit's forward on CPU took 0.4-0.6 ms
-        # less once the report left start_load_kv, and 0.5-0.9 ms less again
-        # once it left the hit's step).
         try:
-            if self._direct_counts is not None:
-                self._direct_counts.report()
             return self._worker.get_finished(finished_req_ids)
         except Exception as exc:
             self._faults.record("get_finished", exc)
