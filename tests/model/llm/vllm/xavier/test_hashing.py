@@ -82,6 +82,30 @@ def test_bad_input():
         block_hash(b"short", [1])
 
 
+# Keys of ``hash_full_blocks(GOLDEN_TOKENS, 16, GOLDEN_NAMESPACE)`` as format 1
+# defines them. Replicas of different releases share one index: a change of the
+# encoding must bump HASH_FORMAT_VERSION (and these keys), never slip in.
+GOLDEN_TOKENS = [2**40, -(2**40)] + [7919 * t - 3 for t in range(70)]
+GOLDEN_NAMESPACE = "golden-model|bfloat16|16"
+GOLDEN_KEYS = [
+    "e1e37778e3cc2ff2a938e245da6003e8",
+    "d09eb443f6550ca22e33a1b1fc371b8d",
+    "2186e7dbfe390d28f19fbb09af672cac",
+    "71d37f530ad96864342d5d4d95f2fb7c",
+]
+
+
+def test_the_keys_of_format_1_do_not_change():
+    assert hashing.HASH_FORMAT_VERSION == 1
+    keys = hash_full_blocks(GOLDEN_TOKENS, 16, GOLDEN_NAMESPACE)
+    assert [key.hex() for key in keys] == GOLDEN_KEYS
+    # block by block, through the public one-block hash, the same chain
+    parent = root_hash(GOLDEN_NAMESPACE)
+    for index, key in enumerate(keys):
+        parent = block_hash(parent, GOLDEN_TOKENS[16 * index : 16 * (index + 1)])
+        assert parent == key
+
+
 def test_extending_a_growing_sequence_equals_hashing_it_whole():
     """Generated tokens are hashed a block at a time as they arrive; the keys must
     be those a later prompt holding the same tokens gets."""

@@ -20,6 +20,7 @@ import xxhash
 HASH_FORMAT_VERSION = 1
 
 BlockHash = bytes  # 16 bytes of xxh3-128 digest
+_TOKEN_BYTES = 8  # a token id is encoded as a signed 64-bit integer
 
 
 def model_namespace(model_uid: str, dtype: str, block_size: int) -> str:
@@ -38,14 +39,19 @@ def root_hash(namespace: str) -> BlockHash:
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one block chained through its parent's hash."""
+    """Hash of one block chained through its parent's hash: xxh3-128 over the
+    parent, the block's token count (4 bytes, little-endian) and its tokens."""
     if len(parent) != 16:
         raise ValueError(f"parent hash must be 16 bytes, got {len(parent)}")
-    h = xxhash.xxh3_128()
-    h.update(parent)
-    h.update(len(token_ids).to_bytes(4, "little"))
-    h.update(_encode_tokens(token_ids))
-    return h.digest()
+    return _chained(
+        parent, len(token_ids).to_bytes(4, "little"), _encode_tokens(token_ids)
+    )
+
+
+def _chained(parent: BlockHash, count: bytes, encoded_tokens: bytes) -> BlockHash:
+    # one call over the joined bytes: the digest a streaming hash of the three
+    # parts gives, for less Python per block
+    return xxhash.xxh3_128_digest(parent + count + encoded_tokens)
 
 
 def _encode_tokens(token_ids: Sequence[int]) -> bytes:
@@ -84,9 +90,17 @@ def extend_full_blocks(
             f"{len(hashes)} block hashes for only {len(token_ids)} tokens of "
             f"{block_size} per block"
         )
+    first = len(hashes) * block_size
+    count = (len(token_ids) - first) // block_size
+    if count == 0:
+        return
     parent = hashes[-1] if hashes else root_hash(namespace)
-    for start in range(
-        len(hashes) * block_size, len(token_ids) - block_size + 1, block_size
-    ):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+    # The new blocks' tokens encoded at once, then hashed a block's bytes at a
+    # time: a third less time than encoding block by block (this runs on vLLM's
+    # scheduler thread for every prompt; benchmark/block_hashing.py).
+    encoded = _encode_tokens(token_ids[first : first + count * block_size])
+    size = block_size.to_bytes(4, "little")
+    stride = block_size * _TOKEN_BYTES
+    for offset in range(0, count * stride, stride):
+        parent = _chained(parent, size, encoded[offset : offset + stride])
         hashes.append(parent)
