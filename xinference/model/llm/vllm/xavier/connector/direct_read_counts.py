@@ -23,12 +23,14 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..aio import BackgroundLoop, with_deadline
-from .direct_reads import DirectReads, DirectReadsFactory
+
+if TYPE_CHECKING:  # benchmarks read the constants below without torch
+    import torch
+
+    from .direct_reads import DirectReads, DirectReadsFactory
 
 logger = logging.getLogger(__name__)
 
