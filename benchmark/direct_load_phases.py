@@ -46,27 +46,19 @@ sys.path.insert(0, str(ROOT))
 from tests.model.llm.vllm.xavier.connector.direct_holder import (  # noqa: E402
     HOLDER_UID,
     StoreHolder,
-    key,
+    lease_free_load,
+    reader,
 )
-from xinference.model.llm.vllm.xavier.aio import BackgroundLoop  # noqa: E402
 from xinference.model.llm.vllm.xavier.connector import direct_reads  # noqa: E402
-from xinference.model.llm.vllm.xavier.connector.reservations import (  # noqa: E402
-    LEASE_FREE_PREFIX,
-)
 from xinference.model.llm.vllm.xavier.engine import blocks  # noqa: E402
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout  # noqa: E402
 from xinference.model.llm.vllm.xavier.transports.nixl.transport import (  # noqa: E402
     NixlDirectTransport,
 )
 from xinference.model.llm.vllm.xavier.wire import (  # noqa: E402
-    DEVICE_TIER,
     KVGeometry,
-    LeaseGrant,
-    LoadRequest,
-    TransportHint,
 )
 
-HOLDER_RANK = 0
 TOKENS_PER_BLOCK = 16
 KV_HEADS = 8
 
@@ -135,47 +127,6 @@ def engine_cache(
     )
 
 
-def lease_free_load(
-    load_id: str, locations: list[tuple[int, int]], dst_blocks: list[int]
-) -> LoadRequest:
-    n = len(locations)
-    grant = LeaseGrant(
-        lease_id=f"{LEASE_FREE_PREFIX}{load_id}",
-        holder_rank=HOLDER_RANK,
-        keys=tuple(key(i) for i in range(n)),
-        tiers=(DEVICE_TIER,) * n,
-        logical_dtypes=("bfloat16",) * n,
-        transport_hint=TransportHint(None, tuple(row for row, _ in locations)),
-        generations=tuple(generation for _, generation in locations),
-    )
-    return LoadRequest(load_id, grant, "unused", tuple(dst_blocks))
-
-
-def reader(
-    address: str, cache: blocks.BlockMajorCache
-) -> tuple[BackgroundLoop, direct_reads.DirectReads]:
-    loop = BackgroundLoop("direct-load-phases")
-
-    def holder_calls(holder_address: str, rank: int) -> Any:
-        async def call(op: str, *args: Any) -> Any:
-            ref = await xo.actor_ref(address, HOLDER_UID)
-            return await ref.transport_call(op, *args)
-
-        return call
-
-    reads = direct_reads.DirectReads(loop, cache, "bench", holder_calls, 10.0)
-    reads.prepare(HOLDER_RANK, address)
-    deadline = time.monotonic() + 120
-    while not reads.ready(HOLDER_RANK):
-        meeting = reads._meeting[HOLDER_RANK]
-        if meeting.done() and meeting.exception() is not None:
-            raise meeting.exception()  # type: ignore[misc]
-        if time.monotonic() > deadline:
-            raise TimeoutError("the engine's agent never met the holder")
-        time.sleep(0.05)
-    return loop, reads
-
-
 def timed_loads(
     reads: direct_reads.DirectReads,
     locations: list[tuple[int, int]],
@@ -189,9 +140,8 @@ def timed_loads(
     per_load: dict[str, list[float]] = defaultdict(list)
     chunks: list[int] = []  # the rows' READs per load
     for index in range(2 * loads):
-        request = lease_free_load(
-            f"{label}-{index}", locations, list(range(len(locations)))
-        )
+        every = list(range(len(locations)))
+        request = lease_free_load(f"{label}-{index}", every, locations, every)
         calls.clear()
         started = time.perf_counter()
         outcome = reads.load_now([request], 1.0)
@@ -242,7 +192,7 @@ async def measure(args: argparse.Namespace) -> list[Row]:
         cache = engine_cache(
             most, args.layers, geometry.layer_block_nbytes, args.device
         )
-        loop, reads = await asyncio.to_thread(reader, address, cache)
+        loop, reads = await asyncio.to_thread(reader, address, cache, "bench", 120.0)
         try:
             for count in args.blocks:
                 p50, chunks = await asyncio.to_thread(

@@ -32,21 +32,23 @@ from xinference.model.llm.vllm.xavier.connector.direct_reads import (
     REPLY_ALLOWANCE_S,
     DirectReads,
 )
-from xinference.model.llm.vllm.xavier.connector.lease_free import LEASE_FREE_PREFIX
 from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
 from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
 from xinference.model.llm.vllm.xavier.stats import ActorCounters, XavierStats
 from xinference.model.llm.vllm.xavier.wire import (
-    DEVICE_TIER,
     KVGeometry,
-    LeaseGrant,
-    LoadRequest,
-    TransportHint,
 )
 
 from .._support import CUDA_SKIP
-from .direct_holder import HOLDER_UID, StoreHolder, key
+from .direct_holder import (
+    HOLDER_RANK,
+    HOLDER_UID,
+    StoreHolder,
+    key,
+    lease_free_load,
+    reader,
+)
 
 pytestmark = pytest.mark.nixl
 pytest.importorskip("nixl", reason="NIXL is not installed")
@@ -56,7 +58,6 @@ GEOMETRY = KVGeometry(
     num_layers=2, layer_block_nbytes=4 * KiB, logical_dtype="bfloat16"
 )
 ENGINE_BLOCKS = 8
-HOLDER_RANK = 0
 
 
 def engine_cache(device: str = "cpu") -> BlockMajorCache:
@@ -73,22 +74,6 @@ def block_bytes(cache: BlockMajorCache, block: int) -> set[int]:
     index = torch.tensor([block], dtype=torch.long)
     rows = [cache.gather(layer, index) for layer in range(cache.num_layers)]
     return set(torch.cat(rows).flatten().tolist())
-
-
-def lease_free_load(
-    load_id: str, keys: list[int], locations: list[tuple[int, int]], blocks: list[int]
-) -> LoadRequest:
-    n = len(keys)
-    grant = LeaseGrant(
-        lease_id=f"{LEASE_FREE_PREFIX}{load_id}",
-        holder_rank=HOLDER_RANK,
-        keys=tuple(key(i) for i in keys),
-        tiers=(DEVICE_TIER,) * n,
-        logical_dtypes=("bfloat16",) * n,
-        transport_hint=TransportHint(None, tuple(row for row, _ in locations)),
-        generations=tuple(generation for _, generation in locations),
-    )
-    return LoadRequest(load_id, grant, "unused", tuple(blocks))
 
 
 @pytest.fixture
@@ -112,33 +97,11 @@ async def holder(request) -> AsyncIterator[tuple[Any, str]]:
         yield ref, address
 
 
-def reader(address: str, cache: BlockMajorCache) -> tuple[BackgroundLoop, DirectReads]:
-    loop = BackgroundLoop("direct-reads-test")
-
-    def holder_calls(holder_address: str, rank: int) -> Any:
-        async def call(op: str, *args: Any) -> Any:
-            ref = await xo.actor_ref(address, HOLDER_UID)
-            return await ref.transport_call(op, *args)
-
-        return call
-
-    reads = DirectReads(loop, cache, "test", holder_calls, rpc_timeout_s=10.0)
-    reads.prepare(HOLDER_RANK, address)
-    deadline = time.monotonic() + 60
-    while not reads.ready(HOLDER_RANK):
-        assert time.monotonic() < deadline, "the engine agent never met the holder"
-        meeting = reads._meeting[HOLDER_RANK]
-        if meeting.done() and meeting.exception() is not None:
-            raise meeting.exception()  # type: ignore[misc]
-        time.sleep(0.05)
-    return loop, reads
-
-
 async def test_a_lease_free_load_lands_in_the_engine_blocks(holder):
     ref, address = holder
     locations = [await ref.put(i) for i in (3, 4)]
     cache = engine_cache()
-    loop, reads = await asyncio.to_thread(reader, address, cache)
+    loop, reads = await asyncio.to_thread(reader, address, cache, "test")
     try:
         request = lease_free_load("ok", [3, 4], locations, [5, 2])
         outcome = await asyncio.to_thread(reads.load_now, [request], 5.0)
@@ -157,7 +120,7 @@ async def test_a_slot_reused_after_its_location_was_published_fails_the_load(hol
     ref, address = holder
     first, other = [await ref.put(i) for i in (3, 4)]  # the device tier is full
     cache = engine_cache()
-    loop, reads = await asyncio.to_thread(reader, address, cache)
+    loop, reads = await asyncio.to_thread(reader, address, cache, "test")
     try:
         reused = await ref.put(7)  # demotes 3; 7 takes its device slot
         assert reused[0] == first[0] and reused[1] != first[1]
@@ -187,7 +150,7 @@ async def test_a_slot_reused_just_before_its_rows_are_read_fails_the_load(holder
     ref, address = holder
     first, _ = [await ref.put(i) for i in (3, 4)]  # the device tier is full
     cache = engine_cache()
-    loop, reads = await asyncio.to_thread(reader, address, cache)
+    loop, reads = await asyncio.to_thread(reader, address, cache, "test")
     transport = reads._transport
     assert transport is not None
     read_rows = transport.load
@@ -218,7 +181,7 @@ async def test_a_stale_block_in_the_middle_fails_only_from_itself_on(holder):
     ref, address = holder
     first, other = [await ref.put(i) for i in (3, 4)]
     cache = engine_cache()
-    loop, reads = await asyncio.to_thread(reader, address, cache)
+    loop, reads = await asyncio.to_thread(reader, address, cache, "test")
     try:
         reused = await ref.put(7)  # 7 takes 3's device slot
         assert reused[0] == first[0]
@@ -267,7 +230,7 @@ async def test_a_holder_with_its_device_tier_on_a_gpu_serves_lease_free_loads(
     assert await ref.serves_generation_words()
     first, other = [await ref.put(i) for i in (3, 4)]  # the device tier is full
     cache = engine_cache("cuda")
-    loop, reads = await asyncio.to_thread(reader, address, cache)
+    loop, reads = await asyncio.to_thread(reader, address, cache, "test")
     try:
         ok = lease_free_load("ok", [3, 4], [first, other], [5, 2])
         outcome = await asyncio.to_thread(reads.load_now, [ok], 5.0)
@@ -340,7 +303,7 @@ async def test_a_stopped_holder_costs_the_bound_and_writes_nothing_afterwards(
     (location,) = [await ref.put(5)]
     pid = await ref.pid()
     cache = engine_cache()
-    loop, reads = await asyncio.to_thread(reader, address, cache)
+    loop, reads = await asyncio.to_thread(reader, address, cache, "test")
     bound_s = 0.02
     try:
         os.kill(pid, signal.SIGSTOP)
