@@ -143,7 +143,7 @@ def test_the_staging_ring_comes_out_of_the_device_budget(cluster, loop):
     )
     worker.register_kv_caches(engine_cache(5))
     worker.wait_mapped(60)
-    assert worker._ring is not None and worker._ring.num_slots == 16
+    assert worker.staging_ring is not None and worker.staging_ring.num_slots == 16
     stats = loop.run(worker._actor.stats(), 30)
     assert stats.store.device_capacity_blocks == 64 - 16
 
@@ -330,17 +330,11 @@ def test_staged_blocks_load_synchronously_into_the_peer(cluster, loop):
     assert pair.loader.get_finished(set()) == (None, None)
 
 
-@pytest.mark.parametrize(
-    "ring_blocks", [0, 2, 64], ids=["no-ring", "tiny-ring", "ring"]
-)
-def test_blocks_reused_right_after_the_step_are_published_as_they_were(
-    cluster, loop, ring_blocks
-):
+def test_blocks_reused_right_after_the_step_are_published_as_they_were(cluster, loop):
     """The engine writes the staged blocks again as soon as wait_for_save returns
     (a finished request's blocks zeroed or reused): the snapshots still hold what
-    the forward computed. Five blocks through a ring of two make the worker wait
-    for the actor to free slots; without a ring, wait_for_save waits for the copy."""
-    pair = Pair(cluster, loop, load_async=False, staging_ring_blocks=ring_blocks)
+    the forward computed, because their copies into the ring came first."""
+    pair = Pair(cluster, loop, load_async=False)
     staged = [3, 5, 17, 18, 20]
     computed = {b: block_bytes(pair.holder_cache, b) for b in staged}
 
@@ -349,16 +343,42 @@ def test_blocks_reused_right_after_the_step_are_published_as_they_were(
             layer[staged] = 0
 
     keys = pair.stage(staged, then=reuse)
-    grant = pair.reserve(keys, f"lease-reused-{ring_blocks}")
+    grant = pair.reserve(keys, "lease-reused")
     assert grant.keys == tuple(keys)
     dst = [7, 8, 9, 10, 11]
-    pair.loader.start_load_kv(pair.load_step(f"r-reused-{ring_blocks}", grant, dst))
+    pair.loader.start_load_kv(pair.load_step("r-reused", grant, dst))
     assert pair.loader.get_block_ids_with_load_errors() == set()
     for s, d in zip(staged, dst, strict=True):
         for want, got in zip(
             computed[s], block_bytes(pair.loader_cache, d), strict=True
         ):
             assert torch.equal(want, got)
+
+
+def test_blocks_that_find_no_free_ring_slot_are_skipped_and_counted(cluster, loop):
+    """Five blocks for a ring of two: two are staged, whole and right, three are
+    skipped (counted) instead of waiting for the actor to free slots; the next
+    step, with the slots back, stages again."""
+    pair = Pair(cluster, loop, load_async=False, staging_ring_blocks=2)
+    keys = pair.stage([3, 5, 17, 18, 20])
+    counts = pair.holder.staging_counts
+    assert (counts.copied, counts.skipped_ring_full) == (2, 3)
+    grant = pair.reserve(keys, "lease-tiny-ring")
+    assert grant.keys == tuple(keys[:2])  # the holder has the first two only
+    pair.loader.start_load_kv(pair.load_step("r-tiny-ring", grant, [7, 8]))
+    assert pair.loader.get_block_ids_with_load_errors() == set()
+    assert_same_blocks(pair, [3, 5], [7, 8])
+    again = pair.stage([21])
+    assert pair.holder.staging_counts.copied == 3
+    assert pair.reserve(again, "lease-tiny-ring-2").keys == tuple(again)
+
+
+def test_without_a_ring_nothing_is_staged_and_nothing_waits(cluster, loop):
+    pair = Pair(cluster, loop, load_async=False, staging_ring_blocks=0)
+    assert pair.holder.staging_ring is None
+    keys = pair.stage([3, 5])
+    assert pair.holder.staging_counts.skipped_no_ring == 2
+    assert pair.reserve(keys, "lease-no-ring").keys == ()
 
 
 def test_ring_stagings_reach_the_actor_only_once_their_copies_completed(
@@ -418,6 +438,47 @@ class NeverStages(CountingActor):
         await asyncio.sleep(3600)
 
 
+def test_a_stalled_actor_never_lengthens_a_step(cluster, loop):
+    """The actor takes ring stagings and never answers (a stalled actor process):
+    every step's wait_for_save still returns at once. Blocks that find the ring
+    full are skipped and counted; nothing waits for the actor, whose stagings
+    end only at their deadline (3 s; their slots are then retired, so the counts
+    below hold either way). Waiting for a free slot, as the write path once did,
+    fails the bound at the first full ring."""
+    actors: list[CountingActor] = []
+    worker = make_worker(
+        cluster,
+        loop,
+        next(_ranks),
+        counter=actors,
+        staging_ring_blocks=4,
+        rpc_timeout_s=3.0,
+        wrapper=NeverStages,
+    )
+    cache = engine_cache(15)
+    worker.register_kv_caches(cache)
+    worker.wait_mapped(60)
+    step_bound_s = 0.5  # generous for a loaded 2-core machine; a wait is 3 s
+    try:
+        longest = 0.0
+        for step in range(12):
+            keys = hash_full_blocks(list(range(3 * BS)), BS, f"stalled-{step}")
+            items = tuple(StageItem(k, b) for k, b in zip(keys, [1, 2, 3], strict=True))
+            started = time.monotonic()
+            worker.wait_for_save(StepMetadata(stage=items))
+            worker.get_finished(set())
+            longest = max(longest, time.monotonic() - started)
+        assert longest < step_bound_s
+        counts = worker.staging_counts
+        # 4 slots: the first step's 3 blocks and one of the second's, then none
+        assert (counts.copied, counts.skipped_ring_full) == (4, 32)
+        actor = actors[-1]
+        assert isinstance(actor, NeverStages)
+        assert sorted(s for slots in actor.ring_slots for s in slots) == [0, 1, 2, 3]
+    finally:
+        worker.close()  # waits out the stagings' deadline
+
+
 def test_ring_slots_of_a_staging_that_timed_out_are_never_reused(cluster, loop):
     """The actor did not answer in time: its slots are retired, not handed out
     again (new blocks copied into them would change what the actor may still be
@@ -443,13 +504,20 @@ def test_ring_slots_of_a_staging_that_timed_out_are_never_reused(cluster, loop):
 
     try:
         stage([1, 2], "retired-a")  # both slots, handed to an actor that hangs
-        started = time.monotonic()
-        stage([3], "retired-b")  # the ring is full: waits for the oldest staging
-        assert time.monotonic() - started < 1.0 + 2.0  # its deadline, not forever
-        ring = worker._ring
+        stage([3], "retired-b")  # the ring is full: skipped at once
+        ring = worker.staging_ring
         assert ring is not None
+        assert (ring.retired, ring.free_slots) == (0, 0)
+        deadline = time.monotonic() + 10
+        while ring.retired < 2:  # the first staging's deadline passes
+            assert time.monotonic() < deadline, "the staging never timed out"
+            worker.get_finished(set())
+            time.sleep(0.05)
+        stage([4], "retired-c")
         assert (ring.retired, ring.free_slots) == (2, 0)
-        assert worker.ring_skipped_blocks == 1
+        counts = worker.staging_counts
+        assert (counts.copied, counts.skipped_ring_full) == (2, 2)
+        assert counts.ring_slots_retired == 2
         actor = actors[-1]
         assert isinstance(actor, NeverStages)
         assert [sorted(slots) for slots in actor.ring_slots] == [[0, 1]]

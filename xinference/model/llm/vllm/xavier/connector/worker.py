@@ -13,7 +13,8 @@ by the model runner once per step. It
 - after the forward, copies the blocks that became full (prompt or generated) into
   its staging ring, with copies queued on the engine's stream so nothing the engine
   writes next can overtake them, and hands the ring slots to the actor, which
-  snapshots and publishes them in the background (``staging_ring.py`` says why);
+  snapshots and publishes them in the background; it never waits for the actor,
+  and skips (and counts) blocks that find no free slot (``write_behind.py``);
 - reports finished loads (aborted requests included, once their in-flight writes
   are over) and the blocks whose load failed, so vLLM recomputes them (the
   bookkeeping: ``load_outcomes.py``).
@@ -25,7 +26,6 @@ Every call into the actor carries a deadline. A failure to load is reported as d
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import time
@@ -40,13 +40,14 @@ from ..config import format_size
 from ..engine import device
 from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
-from ..wire import LoadResult, ReplicaIdentity, StageItem
+from ..wire import LoadResult, ReplicaIdentity
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import EndedLoads, InFlightLoad, PostedLoads, cancel_quietly
 from .load_outcomes import LoadOutcomes
-from .staging_ring import RingStaging, StagingRing, staging_ring_slots
+from .staging_ring import StagingRing, staging_ring_slots
 from .stale_loads import StaleLoad
 from .step import RequestLoad, StepMetadata
+from .write_behind import StagingCounts, WriteBehind
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,8 @@ class WorkerSettings:
     map_retry_s: float = 1.0  # pause between mapping attempts before the actor exists
     layout_hint: str | None = None
     # Bytes of the staging ring asked for (rounded down to whole blocks); 0: no
-    # ring, and wait_for_save waits while the actor copies straight from the
-    # engine blocks; None: sized by staging_ring_slots.
+    # ring, and nothing is staged (the engine never waits for a copy); None:
+    # sized by staging_ring_slots.
     staging_ring_bytes: int | None = None
     step_tokens: int = 0  # vLLM's max_num_batched_tokens, for a ring sized by itself
     # the transfer actor's device budget, of which the ring takes part (0: none)
@@ -115,11 +116,10 @@ class WorkerSide:
         self._posted = PostedLoads(
             loop, settings.rpc_timeout_s, settings.load_timeout_s
         )
-        self._ring: StagingRing | None = None
         self._ring_handles: device.SharedTensorHandles | None = None
-        # ring stagings handed to the actor, oldest first
-        self._ring_stagings: collections.deque[RingStaging] = collections.deque()
-        self.ring_skipped_blocks = 0  # blocks not staged: every ring slot was retired
+        # the ring and what is in it, until the actor has taken it (set with the
+        # ring by register_kv_caches)
+        self._write_behind = WriteBehind(None, loop, settings.rpc_timeout_s)
 
     # ---- mapping ----------------------------------------------------------------
 
@@ -143,7 +143,7 @@ class WorkerSide:
 
     def _make_staging_ring(self) -> None:
         """Allocate and share the staging ring; without one (a zero budget, or an
-        engine cache this half cannot address) staging falls back to waiting."""
+        engine cache this half cannot address) nothing is staged."""
         settings = self._settings
         try:
             layout = detect_layout(
@@ -163,11 +163,11 @@ class WorkerSide:
             self._ring_handles = device.export_tensors([ring.rows])
         except Exception as exc:
             logger.warning(
-                "Xavier: no staging ring (%r); staging will wait for the actor's copy",
+                "Xavier: no staging ring (%r); this replica will publish nothing",
                 exc,
             )
             return
-        self._ring = ring
+        self._write_behind = WriteBehind(ring, self._loop, self._settings.rpc_timeout_s)
         logger.info(
             "Xavier: staging ring of %d blocks (%s)",
             num_slots,
@@ -408,8 +408,8 @@ class WorkerSide:
         """
         if self._loads.in_flight:
             self._take_completions(finished_req_ids)
-        if self._ring_stagings:
-            self._hand_over_ring_stagings()  # once a step, whatever else happens
+        # once a step, whatever else happens: stagings go on as their copies end
+        self._write_behind.settle(self._actor)
         # Only asynchronous loads are reported: synchronous ones finished inside
         # start_load_kv, and vLLM does not wait for them here.
         return None, (self._loads.take_finished() or None)
@@ -444,107 +444,24 @@ class WorkerSide:
     def wait_for_save(self, step: StepMetadata) -> None:
         """Stage the blocks that became full in this step's forward, and publish them.
 
-        With a staging ring, returns once the copies into the ring are queued on
-        the engine's stream; it waits only when the ring is full (for the oldest
-        stagings to free their slots). Without one, waits for the actor's copy:
-        the blocks are certain to hold this request's KV only until the next step.
+        Returns once their copies into the staging ring are queued on the engine's
+        stream; blocks that find no free ring slot are skipped and counted, never
+        waited for (``write_behind.py``).
         """
-        items = step.stage
-        if not items or self._actor is None:
-            return
-        if self._ring is None:
-            # The forward that computed these blocks may still be running on the
-            # engine's stream; the actor reads them from another process.
-            device.fence(self._kv_caches[0].device)
-            self._run_actor(self._actor.stage(items), self._settings.rpc_timeout_s)
-            return
-        self._collect_ring_stagings(wait_for=0)
-        pending = items
-        while pending:
-            free = self._ring.free_slots
-            if free == 0:
-                if not self._ring_stagings:
-                    break  # every slot retired: nothing will come back
-                self._collect_ring_stagings(wait_for=1)
-                continue
-            self._stage_through_ring(pending[:free])
-            pending = pending[free:]
-        if pending:
-            self.ring_skipped_blocks += len(pending)
-            logger.warning(
-                "Xavier: %d blocks not staged: the staging ring has no usable slot",
-                len(pending),
-            )
+        self._write_behind.stage(step.stage, self._actor)
 
-    def _stage_through_ring(self, items: Sequence[StageItem]) -> None:
-        assert self._ring is not None
-        slots = self._ring.copy_in([item.block_id for item in items])
-        copied = device.DeviceWorkMark(self._ring.rows.device)
-        copied.mark()
-        keys = [item.key for item in items]
-        self._ring_stagings.append(RingStaging(slots, keys, copied))
-        self._hand_over_ring_stagings()
+    @property
+    def staging_ring(self) -> StagingRing | None:
+        return self._write_behind.ring
 
-    def _hand_over_ring_stagings(self, wait_for_oldest: bool = False) -> None:
-        """Hand the actor, oldest first, the ring stagings whose copies into the
-        ring have completed (the actor reads the ring from another process); with
-        ``wait_for_oldest``, the oldest not handed over yet after waiting for its
-        copies on the device."""
-        for staging in self._ring_stagings:
-            if staging.future is not None:
-                continue
-            if not staging.copied.done():
-                if not wait_for_oldest:
-                    return
-                staging.copied.wait()
-                wait_for_oldest = False
-            staging.future = self._loop.submit(
-                with_deadline(
-                    self._actor.stage_ring(staging.keys, staging.slots),
-                    self._settings.rpc_timeout_s,
-                )
-            )
-
-    def _collect_ring_stagings(self, wait_for: int | None) -> None:
-        """Take back the ring slots of finished stagings, oldest first: those that
-        are done, after waiting for the oldest ``wait_for`` (None: all). A staging
-        that failed only costs future hits: it is logged. Slots of one that timed
-        out are retired, since the actor may still be reading them."""
-        assert self._ring is not None
-        self._hand_over_ring_stagings()
-        waited = 0
-        while self._ring_stagings:
-            staging = self._ring_stagings[0]
-            if staging.future is None or not staging.future.done():
-                if wait_for is not None and waited >= wait_for:
-                    return
-                waited += 1
-                if staging.future is None:
-                    self._hand_over_ring_stagings(wait_for_oldest=True)
-            assert staging.future is not None
-            self._ring_stagings.popleft()
-            try:
-                # The deadline is enforced in the loop; the extra second only
-                # guards against a loop that is itself stuck.
-                staging.future.result(self._settings.rpc_timeout_s + 1.0)
-            except (TimeoutError, concurrent.futures.TimeoutError) as exc:
-                self._ring.retire(staging.slots)
-                logger.error(
-                    "Xavier: staging %d blocks timed out (%r); retiring their ring "
-                    "slots (%d retired)",
-                    len(staging.slots),
-                    exc,
-                    self._ring.retired,
-                )
-                continue
-            except Exception as exc:
-                logger.error("Xavier: staging failed: %r", exc)
-            self._ring.give_back(staging.slots)
+    @property
+    def staging_counts(self) -> StagingCounts:
+        """What became of the blocks this worker was asked to stage (totals)."""
+        return self._write_behind.counts
 
     def wait_for_stagings(self) -> None:
         """Wait until the actor has taken every staging handed to it so far."""
-        if self._ring is not None:
-            self._collect_ring_stagings(wait_for=None)
+        self._write_behind.drain(self._actor)
 
     # ---- plumbing ---------------------------------------------------------------
 
