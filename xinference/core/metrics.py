@@ -33,8 +33,8 @@ class XavierMetric:
 
     ``stat`` is a dotted attribute path into the transfer actor's ``XavierStats``
     (for example ``"transport.sent_wire_bytes"``); ``tier`` adds a tier label when
-    the stat is per tier; ``per_block_tokens`` multiplies a block count by the block
-    size. Every transport fills every ``TransportStats`` field, so a series is never
+    the stat is per tier, ``reason`` a reason label when it counts one cause among
+    several; ``per_block_tokens`` multiplies a block count by the block size. Every transport fills every ``TransportStats`` field, so a series is never
     missing under one transport.
     """
 
@@ -43,12 +43,29 @@ class XavierMetric:
     help: str
     kind: str = "counter"  # or "gauge"
     tier: str | None = None
+    reason: str | None = None
     per_block_tokens: bool = False
+
+    def labels(self) -> list[str]:
+        """The values of the labels this series adds to the replica's."""
+        return [value for value in (self.tier, self.reason) if value is not None]
+
+    def label_names(self) -> list[str]:
+        return [
+            name
+            for name, value in (("tier", self.tier), ("reason", self.reason))
+            if value is not None
+        ]
 
 
 _HITS = "Blocks this replica loaded from a peer instead of computing, by holder tier"
 _SERVED = "Snapshots this replica leased to peers, by tier"
 _HELD = "Snapshots held now, by tier"
+_SKIPPED = (
+    "Computed blocks the engine did not stage, so that peers cannot load them: "
+    "ring_full (no free staging ring slot: the transfer actor is behind; the "
+    "engine never waits for it), no_ring, unmapped (before the caches were mapped)"
+)
 _HELD_BYTES = "Bytes of snapshots held now, by tier"
 
 # Exported series. A path absent from a replica's stats is left out of the scrape.
@@ -147,6 +164,26 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
         "xavier_direct_reads_stale",
         "Lease-free loads that failed because a snapshot changed on the holder "
         "(the engine recomputed those blocks)",
+    ),
+    XavierMetric(
+        "actor.worker_staged_blocks",
+        "xavier_staged_blocks",
+        "Computed blocks the engine copied into its staging ring for the store",
+    ),
+    *(
+        XavierMetric(
+            f"actor.stage_skipped_{reason}",
+            "xavier_stage_skipped_blocks",
+            _SKIPPED,
+            reason=reason,
+        )
+        for reason in ("ring_full", "no_ring", "unmapped")
+    ),
+    XavierMetric(
+        "actor.ring_slots_retired",
+        "xavier_ring_slots_retired",
+        "Staging ring slots never reused: the transfer actor did not answer their "
+        "staging in time, and may still read them",
     ),
     XavierMetric(
         "store.device_snapshots", "xavier_snapshots", _HELD, kind="gauge", tier="device"
@@ -394,7 +431,7 @@ def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
     values: dict[str, dict[tuple[str, ...], float]] = {}
     for metric in XAVIER_METRICS:
         if metric.name not in families:
-            names = list(_LABELS) + (["tier"] if metric.tier else [])
+            names = list(_LABELS) + metric.label_names()
             cls = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
             families[metric.name] = cls(metric.name, metric.help, labels=names)
             values[metric.name] = {}
@@ -405,7 +442,7 @@ def _xavier_metrics(samples: Sequence[ReplicaSample]) -> Iterable[Metric]:
                 continue
             if metric.per_block_tokens:
                 value *= sample.stats.block_size
-            key = tuple(_labels(sample.stats) + ([metric.tier] if metric.tier else []))
+            key = tuple(_labels(sample.stats) + metric.labels())
             series = values[metric.name]
             series[key] = series.get(key, 0.0) + value
     yield from _filled(families, values)

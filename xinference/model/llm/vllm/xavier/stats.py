@@ -18,7 +18,10 @@ import bisect
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .wire import WorkerTotals
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +98,45 @@ class ActorCounters:
     leases_expired: int = 0
     tracker_failures: int = 0
     connector_faults: int = 0  # contained inside this replica's vLLM connector
-    # lease-free loads the engine process READ itself (connector/direct_reads.py),
-    # as its last report said: all of them, and those failed as stale
+    # What the engine process counted, as its last report said
+    # (``wire.WorkerTotals`` has the meanings): its lease-free loads ...
     direct_reads: int = 0
     direct_reads_stale: int = 0
     direct_read_seconds: float = 0.0  # those loads' own time, summed
+    # ... and the blocks it was asked to stage, by what became of them
+    worker_staged_blocks: int = 0
+    stage_skipped_ring_full: int = 0
+    stage_skipped_no_ring: int = 0
+    stage_skipped_unmapped: int = 0
+    ring_slots_retired: int = 0
+    worker_stagings_failed: int = 0
 
-    def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
+    def record_worker_totals(self, totals: WorkerTotals) -> None:
         """The engine process's totals so far: a report lost or overtaken is made
         good by a later one, and a counter never goes back."""
-        self.direct_reads = max(self.direct_reads, reads)
-        self.direct_reads_stale = max(self.direct_reads_stale, stale)
-        self.direct_read_seconds = max(self.direct_read_seconds, seconds)
+        self.direct_reads = max(self.direct_reads, totals.direct_reads)
+        self.direct_reads_stale = max(
+            self.direct_reads_stale, totals.direct_reads_stale
+        )
+        self.direct_read_seconds = max(
+            self.direct_read_seconds, totals.direct_read_seconds
+        )
+        self.worker_staged_blocks = max(self.worker_staged_blocks, totals.staged_blocks)
+        self.stage_skipped_ring_full = max(
+            self.stage_skipped_ring_full, totals.stage_skipped_ring_full
+        )
+        self.stage_skipped_no_ring = max(
+            self.stage_skipped_no_ring, totals.stage_skipped_no_ring
+        )
+        self.stage_skipped_unmapped = max(
+            self.stage_skipped_unmapped, totals.stage_skipped_unmapped
+        )
+        self.ring_slots_retired = max(
+            self.ring_slots_retired, totals.ring_slots_retired
+        )
+        self.worker_stagings_failed = max(
+            self.worker_stagings_failed, totals.stagings_failed
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,6 +181,31 @@ class StageItem:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerTotals:
+    """What a worker (vLLM's engine process) counted so far, for its transfer
+    actor's metrics (``connector/worker_totals.py``): totals, never increments,
+    so a lost report is made good by the next.
+
+    ``direct_*``: the lease-free loads it READ itself (all, those failed as
+    stale, their own time summed). ``staged_blocks``: blocks copied into its
+    staging ring and handed to the actor; ``stage_skipped_*``: blocks it was
+    asked to stage but did not (no free ring slot, no ring, caches not mapped
+    yet); ``ring_slots_retired``: slots of stagings the actor never answered;
+    ``stagings_failed``: stagings the actor answered with an error.
+    """
+
+    direct_reads: int = 0
+    direct_reads_stale: int = 0
+    direct_read_seconds: float = 0.0
+    staged_blocks: int = 0
+    stage_skipped_ring_full: int = 0
+    stage_skipped_no_ring: int = 0
+    stage_skipped_unmapped: int = 0
+    ring_slots_retired: int = 0
+    stagings_failed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class IndexChange:
     """One change of the tracker's index: ``rank`` published (``ADD``) or dropped
     (``REMOVE``) ``keys``, or went away with everything it held (``FORGET``)."""

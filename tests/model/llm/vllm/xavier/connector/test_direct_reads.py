@@ -25,19 +25,20 @@ import xoscar as xo
 from xinference.core.metrics import XAVIER_METRICS, lookup
 from xinference.core.placement import DEFAULT_UCX_TLS, UCX_MEMTYPE_CACHE
 from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
-from xinference.model.llm.vllm.xavier.connector.direct_read_counts import (
-    DirectReadCounts,
-)
 from xinference.model.llm.vllm.xavier.connector.direct_reads import (
     REPLY_ALLOWANCE_S,
     DirectReads,
 )
 from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
+from xinference.model.llm.vllm.xavier.connector.worker_totals import (
+    WorkerTotalsReport,
+)
 from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
 from xinference.model.llm.vllm.xavier.stats import ActorCounters, XavierStats
 from xinference.model.llm.vllm.xavier.wire import (
     KVGeometry,
+    WorkerTotals,
 )
 
 from .._support import CUDA_SKIP
@@ -259,8 +260,8 @@ class CountingActor:
     def __init__(self) -> None:
         self.counters = ActorCounters()
 
-    async def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
-        self.counters.record_direct_reads(reads, stale, seconds)
+    async def record_worker_totals(self, totals: WorkerTotals) -> None:
+        self.counters.record_worker_totals(totals)
 
 
 def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float]:
@@ -270,9 +271,14 @@ def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float
     async def own_actor() -> CountingActor:
         return actor
 
-    counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0, delay_s=0.05)
-    make = counts.watch(lambda kv_caches: reads)
-    assert make is not None and make([]) is reads  # reporting from here on
+    report = WorkerTotalsReport(loop, own_actor, rpc_timeout_s=5.0, delay_s=0.05)
+    report.start(
+        lambda: WorkerTotals(
+            direct_reads=reads.loads,
+            direct_reads_stale=reads.stale,
+            direct_read_seconds=reads.seconds,
+        )
+    )
     deadline = time.monotonic() + 10
     while actor.counters.direct_reads < reads.loads and time.monotonic() < deadline:
         time.sleep(0.01)

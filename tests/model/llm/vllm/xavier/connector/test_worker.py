@@ -23,6 +23,9 @@ from xinference.model.llm.vllm.xavier.connector.scheduler import (
     StepMetadata,
 )
 from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
+from xinference.model.llm.vllm.xavier.connector.worker_totals import (
+    WorkerTotalsReport,
+)
 from xinference.model.llm.vllm.xavier.engine.device import DeviceWorkMark
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.wire import LoadRequest, StageItem
@@ -109,6 +112,10 @@ def make_worker(
             counter.append(ref)
         return ref
 
+    async def plain_actor() -> Any:  # the report's: not counted among the refs
+        return await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
+
+    report = WorkerTotalsReport(loop, plain_actor, rpc_timeout_s, delay_s=0.05)
     settings = WorkerSettings(
         model=MODEL,
         num_blocks=NUM_BLOCKS,
@@ -126,7 +133,7 @@ def make_worker(
         step_tokens=step_tokens,
         device_budget_bytes=gpu_cache_bytes or 0,
     )
-    return WorkerSide(settings, loop, factory or actor)
+    return WorkerSide(settings, loop, factory or actor, totals_report=report)
 
 
 def test_the_staging_ring_comes_out_of_the_device_budget(cluster, loop):
@@ -371,6 +378,16 @@ def test_blocks_that_find_no_free_ring_slot_are_skipped_and_counted(cluster, loo
     again = pair.stage([21])
     assert pair.holder.staging_counts.copied == 3
     assert pair.reserve(again, "lease-tiny-ring-2").keys == tuple(again)
+    # the counts reach the holder's actor, whose stats feed the metrics
+    holder_actor = cluster.transfer_refs[pair.holder_rank]
+    deadline = time.monotonic() + 10
+    while True:
+        counters = cluster.call(holder_actor.stats()).actor
+        if counters.worker_staged_blocks == 3:
+            break
+        assert time.monotonic() < deadline, "the staging counts never arrived"
+        time.sleep(0.05)
+    assert counters.stage_skipped_ring_full == 3
 
 
 def test_without_a_ring_nothing_is_staged_and_nothing_waits(cluster, loop):
@@ -474,7 +491,14 @@ def test_a_stalled_actor_never_lengthens_a_step(cluster, loop):
         assert (counts.copied, counts.skipped_ring_full) == (4, 32)
         actor = actors[-1]
         assert isinstance(actor, NeverStages)
-        assert sorted(s for slots in actor.ring_slots for s in slots) == [0, 1, 2, 3]
+
+        def handed_over() -> list[int]:
+            return sorted(s for slots in actor.ring_slots for s in slots)
+
+        deadline = time.monotonic() + 10
+        while handed_over() != [0, 1, 2, 3]:  # the calls run on the loop
+            assert time.monotonic() < deadline, handed_over()
+            time.sleep(0.01)
     finally:
         worker.close()  # waits out the stagings' deadline
 

@@ -48,7 +48,6 @@ from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
 from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
-from .direct_read_counts import DirectReadCounts
 from .direct_reads import direct_reads_factory
 from .engine_time import EngineTime, timed
 from .fast_path import direct_reads_wanted, sync_load_policy
@@ -73,6 +72,7 @@ from .vllm_compat import (
 )
 from .vllm_metadata import XavierConnectorMetadata, XavierWorkerMetadata
 from .worker import WorkerSettings, WorkerSide
+from .worker_totals import WorkerTotalsReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -201,15 +201,15 @@ class XavierConnector(KVConnectorBase_V1):
                 holder_calls=self._holder_transport_call,
                 rpc_timeout_s=options.rpc_timeout_s,
             )
-            # its totals go to the transfer actor from the loop, once a second
-            counts = DirectReadCounts(
-                self._loop, self._transfer_actor, options.rpc_timeout_s
-            )
             self._worker = WorkerSide(
                 worker_settings,
                 self._loop,
                 self._transfer_actor,
-                counts.watch(direct_reads),
+                direct_reads,
+                # its totals go to the transfer actor from the loop, once a second
+                WorkerTotalsReport(
+                    self._loop, self._transfer_actor, options.rpc_timeout_s
+                ),
             )
 
     @property

@@ -44,8 +44,7 @@ SKIP_LOG_EVERY_S = 60.0
 @dataclass(slots=True)
 class StagingCounts:
     """Totals of the blocks the scheduler half asked this worker to stage, by what
-    became of them. Only ever grow, so a report carries totals (a lost report is
-    made good by the next)."""
+    became of them (reported as ``wire.WorkerTotals``)."""
 
     copied: int = 0  # into the ring, and handed to the actor
     skipped_ring_full: int = 0  # no free ring slot at the step (actor behind)
@@ -53,16 +52,6 @@ class StagingCounts:
     skipped_unmapped: int = 0  # the engine caches were not mapped yet
     ring_slots_retired: int = 0  # an answer never came: the actor may still read them
     stagings_failed: int = 0  # handed over, and the actor reported a failure
-
-    def as_tuple(self) -> tuple[int, ...]:
-        return (
-            self.copied,
-            self.skipped_ring_full,
-            self.skipped_no_ring,
-            self.skipped_unmapped,
-            self.ring_slots_retired,
-            self.stagings_failed,
-        )
 
 
 class WriteBehind:

@@ -1,12 +1,13 @@
-"""The engine process's direct-read totals reach the transfer actor's counters
-(``connector/direct_read_counts.py``) from a task of the background loop: once
-they stood still for a look, or after a few looks under steady moves, and a
+"""A worker's totals (lease-free reads, staging) reach the transfer actor's
+counters (``connector/worker_totals.py``) from a task of the background loop:
+once they stood still for a look, or after a few looks under steady moves, and a
 report that failed is made good by the next one. The real reads that move these
-totals are in ``test_direct_reads.py``."""
+totals are in ``test_direct_reads.py``, real stagings in ``test_worker.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import types
 from collections.abc import Iterator
@@ -15,11 +16,12 @@ from typing import Any
 import pytest
 
 from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
-from xinference.model.llm.vllm.xavier.connector.direct_read_counts import (
+from xinference.model.llm.vllm.xavier.connector.worker_totals import (
     MAX_LOOKS_DEFERRED,
-    DirectReadCounts,
+    WorkerTotalsReport,
 )
 from xinference.model.llm.vllm.xavier.stats import ActorCounters
+from xinference.model.llm.vllm.xavier.wire import WorkerTotals
 
 
 class Actor:
@@ -34,14 +36,14 @@ class Actor:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def record_direct_reads(self, reads: int, stale: int, seconds: float) -> None:
+    async def record_worker_totals(self, totals: WorkerTotals) -> None:
         self.calls += 1
         self.called_at.append(time.monotonic())
         await self.gate.wait()
         if self.failures:
             self.failures -= 1
             raise ConnectionError("the actor is away")
-        self.counters.record_direct_reads(reads, stale, seconds)
+        self.counters.record_worker_totals(totals)
 
 
 @pytest.fixture
@@ -53,16 +55,25 @@ def loop() -> Iterator[BackgroundLoop]:
 
 def counting(
     loop: BackgroundLoop, actor: Actor, delay_s: float = 0.02
-) -> tuple[DirectReadCounts, Any]:
+) -> tuple[WorkerTotalsReport, Any]:
+    """A report of totals the test moves: ``reads.loads`` and so on are the
+    direct reads, ``reads.staged`` and ``reads.skipped`` the staging counts."""
+
     async def own_actor() -> Actor:
         return actor
 
-    counts = DirectReadCounts(loop, own_actor, rpc_timeout_s=5.0, delay_s=delay_s)
-    reads = types.SimpleNamespace(loads=0, stale=0, seconds=0.0)
-    make = counts.watch(lambda kv_caches: reads)  # type: ignore[arg-type,return-value]
-    assert make is not None
-    make([])
-    return counts, reads
+    report = WorkerTotalsReport(loop, own_actor, rpc_timeout_s=5.0, delay_s=delay_s)
+    reads = types.SimpleNamespace(loads=0, stale=0, seconds=0.0, staged=0, skipped=0)
+    report.start(
+        lambda: WorkerTotals(
+            direct_reads=reads.loads,
+            direct_reads_stale=reads.stale,
+            direct_read_seconds=reads.seconds,
+            staged_blocks=reads.staged,
+            stage_skipped_ring_full=reads.skipped,
+        )
+    )
+    return report, reads
 
 
 def wait_for(condition: Any, what: str, timeout: float = 5.0) -> None:
@@ -84,10 +95,20 @@ def test_totals_are_sent_once_each_time_they_move(loop):
     counters = actor.counters
     assert (counters.direct_reads, counters.direct_reads_stale) == (3, 1)
     assert counters.direct_read_seconds == 0.004
-    assert counts.acknowledged == (3, 1, 0.004)
+    assert counts.acknowledged == WorkerTotals(3, 1, 0.004)
     reads.loads = 4
     wait_for(lambda: actor.calls == 2, "the next move was never sent")
     assert counters.direct_reads == 4
+
+
+def test_staging_counts_are_reported_like_the_reads(loop):
+    actor = Actor()
+    counts, reads = counting(loop, actor)
+    reads.staged, reads.skipped = 30, 7
+    wait_for(lambda: actor.calls == 1, "the staging counts were never sent")
+    counters = actor.counters
+    assert (counters.worker_staged_blocks, counters.stage_skipped_ring_full) == (30, 7)
+    assert counters.direct_reads == 0
 
 
 def test_a_report_waits_until_the_totals_stood_still_for_a_look(loop):
@@ -130,7 +151,7 @@ def test_a_failed_report_is_made_good_by_the_next(loop):
     reads.loads = 2
     wait_for(lambda: actor.calls == 2, "a failed report was not sent again")
     wait_for(lambda: actor.counters.direct_reads == 2, "the second report failed")
-    assert counts.acknowledged == (2, 0, 0.0)
+    assert counts.acknowledged == WorkerTotals(direct_reads=2)
 
 
 def test_reports_do_not_pile_up_while_the_actor_is_slow(loop):
@@ -150,10 +171,15 @@ def test_reports_do_not_pile_up_while_the_actor_is_slow(loop):
 
 def test_an_older_total_never_takes_a_counter_back():
     counters = ActorCounters()
-    counters.record_direct_reads(5, 2, 0.010)
-    counters.record_direct_reads(4, 1, 0.008)  # overtaken by the newer report
+    newer = WorkerTotals(5, 2, 0.010, staged_blocks=9, stage_skipped_ring_full=3)
+    counters.record_worker_totals(newer)
+    # overtaken by the newer report
+    counters.record_worker_totals(
+        dataclasses.replace(newer, direct_reads=4, staged_blocks=8)
+    )
     assert (counters.direct_reads, counters.direct_reads_stale) == (5, 2)
     assert counters.direct_read_seconds == 0.010
+    assert (counters.worker_staged_blocks, counters.stage_skipped_ring_full) == (9, 3)
 
 
 async def _set(event: asyncio.Event) -> None:
