@@ -78,6 +78,21 @@ def test_a_located_synchronous_hit_needs_no_reservation(loop, tracker):
     assert holder.released == []  # nothing was pinned
 
 
+def test_a_lease_free_hit_needs_no_holder_of_the_blocks_the_engine_has(loop, tracker):
+    """The holder published blocks 2-3 only (it loaded 0-1 from a peer); the
+    loader has 0-1 itself: its lookup from block 2 finds them, lease-free."""
+    holder = DeviceHolder()
+    prompt = list(range(16))
+    side, sync = mirrored_side(loop, tracker, holder, policy())
+    keys = hash_full_blocks(prompt, BS, NS)
+    located = [(k, 2 * i, 10 + 2 * i) for i, k in enumerate(keys[2:3])]
+    tracker.update_blocks(HOLDER, b"", pack_keys(keys[2:3]), pack_locations(located))
+    holder.keys.update(keys[2:3])
+    sync()
+    assert side.num_new_matched_tokens("r", prompt, 2 * BS) == (BS, False)
+    assert holder.reserved == [] and side.stats["lease_free_answers"] == 1
+
+
 def test_unlocated_or_asynchronous_hits_reserve_as_before(loop, tracker):
     holder = DeviceHolder()
     side, sync = mirrored_side(loop, tracker, holder, policy())

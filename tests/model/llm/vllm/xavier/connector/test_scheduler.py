@@ -717,10 +717,14 @@ def test_generated_tokens_are_staged_under_the_chain_of_prompt_and_answer(
     ]
 
 
-def test_a_request_that_loaded_from_a_peer_stages_nothing_after_the_load(loop, tracker):
-    """Its prompt's later blocks and its generated ones are not staged: this
-    replica never holds the loaded blocks, and a lookup takes one holder's run
-    from the first block, so blocks behind that gap could not be found here."""
+def test_what_a_request_computed_on_loaded_blocks_is_staged_once_the_load_ended(
+    loop, tracker
+):
+    """The blocks computed on top of loaded ones hold KV computed from the loaded
+    KV: they are staged only once the worker reported the load ended (a failed
+    load's blocks come with that report and move the mark back), in the
+    request's next step. The loaded blocks are not staged again: their holder
+    has them."""
     holder = Holder()
     prompt = list(range(700, 717))  # 4 full blocks and a tail of 1
     publish(tracker, holder, prompt[:8])  # the holder has the first 2
@@ -735,17 +739,38 @@ def test_a_request_that_loaded_from_a_peer_stages_nothing_after_the_load(loop, t
         [ScheduledRequest("r", 2 * BS, 9, [30, 31, 32, 33, 34], whole_table=True)]
     )
     assert prefill.loads and prefill.stage == ()
-    for step, sampled in enumerate([51, 52, 53, 54]):  # fills block 4
-        tokens.append(sampled)
-        decode = side.build_step([ScheduledRequest("r", 17 + step, 1, [])])
-        assert decode.stage == ()
-    assert side.stats["staged_blocks"] == 0
-    # Why: had this replica published blocks 2 and 3, a third replica's lookup
-    # would still find the holder's 2 blocks and nothing of this one.
+    tokens.append(51)
+    waiting = side.build_step([ScheduledRequest("r", 17, 1, [])])
+    assert waiting.stage == ()  # asynchronous scheduling: no report yet
+    side.record_load_round_trips({"r": 0})  # the step's output: the load ended
     keys = hash_full_blocks(prompt, BS, NS)
-    tracker.register_replica(2, "nixl://third")
-    tracker.register_blocks(LOADER, keys[2:4])
-    assert tracker.query_prefix(2, keys) == PrefixHit(HOLDER, "nixl://holder", 2)
+    staged = []
+    for step, sampled in enumerate([52, 53, 54]):  # fills block 4
+        tokens.append(sampled)
+        decode = side.build_step([ScheduledRequest("r", 18 + step, 1, [])])
+        staged += [(s.key, s.block_id) for s in decode.stage]
+    assert staged == [
+        (keys[2], 32),
+        (keys[3], 33),
+        (hash_full_blocks(tokens, BS, NS)[4], 34),
+    ]
+
+
+def test_a_lookup_asks_for_the_run_from_the_first_block_the_engine_lacks(loop, tracker):
+    """Sharing runs both ways: the replica that loaded blocks 0-1 from a peer and
+    computed 2-3 holds 2-3 only, and the peer, which has 0-1 itself, loads 2-3
+    from it (a key names its tokens and all before them, so no holder of 0-1 is
+    needed). A replica with nothing locally gets the peer's blocks 0-1."""
+    holder = Holder()
+    prompt = list(range(400, 417))  # 4 full blocks and a tail of 1
+    keys = hash_full_blocks(prompt, BS, NS)
+    tracker.register_blocks(HOLDER, keys[2:4])  # computed after a loaded prefix
+    holder.keys.update(keys[2:4])
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 2 * BS) == (2 * BS, False)
+    assert holder.reserved[-1][1] == keys[2:4]
+    side.request_finished("r")
+    assert side.num_new_matched_tokens("cold", prompt, 0) == (0, False)
 
 
 def test_a_block_waits_until_vllm_hands_over_its_last_token(loop, tracker):
@@ -788,6 +813,8 @@ def test_blocks_recomputed_after_a_failed_load_are_staged(loop, tracker):
     )
     assert step.stage == ()
     all_keys = hash_full_blocks(prompt, BS, NS)
+    # the step's output: the load ended, with block 21 failed
+    side.record_load_round_trips({"r": 1})
     side.loads_failed({21})
     assert side.stats["loads_failed"] == 1
     # vLLM truncates the computed tokens to the failed block and recomputes.

@@ -37,16 +37,17 @@ def lease_free_reservation(
     keys: Sequence[BlockHash],
     local_blocks: int,
 ) -> Reservation | None:
-    """A lease-free grant for the blocks of ``keys`` beyond ``local_blocks``
-    that a peer holds, or None (no hit, no locations, or not synchronous)."""
+    """A lease-free grant for the run of ``keys`` from block ``local_blocks``
+    on that a peer holds (as ``Reservations.start`` looks it up), or None (no
+    hit, no locations, or not synchronous)."""
     if mirror is None or policy is None or not policy.lease_free:
         return None
     if not policy.enabled or not mirror.ready:
         return None
-    hit = mirror.query(rank, keys)
-    if hit is None or hit.num_blocks <= local_blocks:
+    hit = mirror.query(rank, keys[local_blocks:])
+    if hit is None:
         return None
-    wanted = tuple(keys[local_blocks : hit.num_blocks])
+    wanted = tuple(keys[local_blocks : local_blocks + hit.num_blocks])
     locations = mirror.locate(hit.rank, wanted)
     if locations is None:
         return None

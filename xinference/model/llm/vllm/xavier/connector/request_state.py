@@ -35,6 +35,9 @@ class RequestState:
     pending: PendingReservation | None = None
     holder_rank: int | None = None
     loaded_into: tuple[int, ...] = ()  # the engine blocks its load writes
+    # The worker reported its load ended (and its failed blocks, if any, came
+    # with the report): the blocks computed on top of the loaded ones are right.
+    load_ended: bool = False
     # The load planned for the request, started or not: its first block position
     # and the engine blocks from there (None: no destination). A failed one is
     # recomputed by vLLM from its first failed block, which is staged again.

@@ -166,18 +166,24 @@ class Reservations:
         local_blocks: int,
         identity: ReplicaIdentity,
     ) -> PendingReservation | None:
-        """Ask the holder of the longest prefix of ``keys`` for a lease on the
-        blocks beyond ``local_blocks``, waiting at most ``reply_wait_s`` for its
-        answer; None when nobody holds more (or the holder is backed off from)."""
-        hit = self._find_holder(keys)
-        if hit is None or hit.num_blocks <= local_blocks:
+        """Ask the replica that holds the longest run of ``keys`` from block
+        ``local_blocks`` on (the first one the engine lacks) for a lease on it,
+        waiting at most ``reply_wait_s`` for its answer; None when nobody holds
+        that block (or its holder is backed off from).
+
+        The holder need not hold the blocks before: a key names its block's
+        tokens and every token before them (``hashing.py``), so a replica that
+        loaded a prefix from a peer and computed the rest serves the rest to
+        any replica that has the prefix itself."""
+        hit = self._find_holder(keys[local_blocks:])
+        if hit is None:
             return None
         if self._backoff.blocked(hit.address):
             return None
         pending = PendingReservation(
             hit,
             f"xavier-{self._rank}-{req_id}-{next(self._lease_seq)}",
-            keys[local_blocks : hit.num_blocks],
+            keys[local_blocks : local_blocks + hit.num_blocks],
             local_blocks,
         )
         future = pending.future = self._loop.submit(

@@ -19,10 +19,13 @@ Per request it
 4. each step, names the blocks that became full, to stage and publish them: prompt
    blocks, blocks of generated tokens (a later turn of the conversation, on another
    replica, starts with them) and blocks recomputed after a failed load. A request
-   that loaded blocks from a peer publishes none after them: this replica does not
-   hold the loaded ones, and a lookup takes one holder's run of blocks from the
-   first, so nothing after the gap could ever be found here. Blocks the tracker
-   already lists for this replica are not staged again;
+   that loaded blocks from a peer publishes the blocks it computed after them once
+   the worker has reported the load ended (their KV was computed from the loaded
+   blocks: a failed load makes them wrong); the loaded blocks themselves are not
+   staged again, their holder has them. A lookup asks for the run from the first
+   block the engine lacks, whoever holds the blocks before it, so sharing runs
+   both ways. Blocks the tracker already lists for this replica are not staged
+   again;
 5. releases a reservation that never became a load when the request goes away.
 
 A failed, refused or late answer from a peer is a miss: the engine computes the
@@ -414,11 +417,15 @@ class SchedulerSide:
         self, round_trips: dict[str, int], load_seconds: dict[str, float] | None = None
     ) -> None:
         """The worker's count of actor round trips per ended load (its start, its
-        waits or polls, the actor's calls on the holder), and each load's own time."""
+        waits or polls, the actor's calls on the holder), and each load's own time.
+        A request listed here has its load behind it: what it computed on top of
+        the loaded blocks may be staged (``build_step``)."""
         for req_id, count in round_trips.items():
             state = self._requests.get(req_id)
             if state is not None:
                 state.round_trips += count
+                # its failed blocks, if any, are delivered with this report
+                state.load_ended = True
         for req_id, seconds in (load_seconds or {}).items():
             state = self._requests.get(req_id)
             if state is not None:
@@ -457,10 +464,14 @@ class SchedulerSide:
         A block is staged in the step whose forward completes its KV, or later
         while its request is still scheduled (a generated token vLLM has not
         handed over yet), never before all of its tokens are known: its key is
-        the chain hash of exactly those tokens. A request with a load (under way
-        or done) stages nothing: its blocks after the load are unreachable here
-        (the module docstring says why). Should the load fail, ``loads_failed``
-        moves the mark back and the blocks vLLM recomputes are staged then.
+        the chain hash of exactly those tokens. A request with a load stages
+        nothing until the worker reported the load ended (``load_ended``): the
+        KV of its blocks after the load was computed from the loaded blocks, so
+        it is right only if the load was. A load that failed has moved the mark
+        back by then (``loads_failed``), and the blocks vLLM recomputes are
+        staged as they fill; one that succeeded lets the blocks computed since
+        be staged in the request's next scheduled step (their engine blocks are
+        the request's until it finishes).
         """
         block_size = self._settings.block_size
         loads, self._new_loads = tuple(self._new_loads), []
@@ -497,9 +508,11 @@ class SchedulerSide:
                     block_size,
                     self._settings.namespace,
                 )
+            if state.loaded_into and not state.load_ended:
+                continue  # see the docstring: staged once the load is known good
             first, state.staged_upto = state.staged_upto, max(state.staged_upto, full)
-            if state.loaded_into or item.req_id in not_started:
-                continue  # see the docstring; loads_failed stages them again
+            if item.req_id in not_started:
+                continue  # loads_failed moves the mark back to what vLLM recomputes
             stage.extend(
                 StageItem(state.keys[index], table[index])
                 for index in range(first, full)
