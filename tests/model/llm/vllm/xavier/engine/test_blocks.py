@@ -14,6 +14,7 @@ from xinference.model.llm.vllm.xavier.engine.layout import (
     copy_snapshot_rows,
     detect_layout,
     row_format,
+    snapshot_runs,
     wide_view,
 )
 from xinference.model.llm.vllm.xavier.wire import KVGeometry
@@ -429,17 +430,21 @@ def test_scatter_rows_refuses_missing_or_repeated_destinations() -> None:
         ([3, 0, 5], [1, 2, 3]),  # a gather, then a slice
         ([2, 3, 4], [6, 0, 3]),  # a slice, then an indexed copy
         ([5, 1, 4], [0, 6, 2]),  # indexed on both sides
+        # past MAX_RUN_COPIES runs: gathered and scattered within a device
+        (list(range(0, 80, 2)), list(range(1, 81, 2))),
     ],
 )
 def test_copy_snapshot_rows_moves_whole_snapshots_between_devices(
     device, source_slots, target_slots
 ):
     """Device to host as a demotion does, and within a device as the ring does."""
-    layers, width = 3, 16
-    source = torch.randint(0, 256, (8 * layers, width), dtype=torch.uint8).to(device)
+    layers, width, slots = 3, 16, 81
+    source = torch.randint(0, 256, (slots * layers, width), dtype=torch.uint8).to(
+        device
+    )
     for target_device in ("cpu", device):
         target = torch.zeros(
-            (8 * layers, width), dtype=torch.uint8, device=target_device
+            (slots * layers, width), dtype=torch.uint8, device=target_device
         )
         copy_snapshot_rows(
             source,
@@ -456,6 +461,13 @@ def test_copy_snapshot_rows_moves_whole_snapshots_between_devices(
         assert torch.equal(target.cpu(), expected.cpu())
     with pytest.raises(ValueError, match="2 source snapshots for 1 target"):
         copy_snapshot_rows(source, [0, layers], source, [0], layers)
+
+
+def test_snapshot_runs_join_what_follows_on_both_sides():
+    # 3 layers a snapshot: (0 -> 9, 3 -> 12) follow, 6 -> 30 does not
+    assert snapshot_runs([0, 3, 6, 9], [9, 12, 30, 33], 3) == [(0, 9, 6), (6, 30, 6)]
+    assert snapshot_runs([6, 3], [0, 3], 3) == [(6, 0, 3), (3, 3, 3)]
+    assert snapshot_runs([], [], 3) == []
 
 
 def test_destinations_are_checked_once() -> None:

@@ -609,18 +609,27 @@ def read_bits(store, k: bytes) -> tuple[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])],
+    "device, pinned",
+    [
+        ("cpu", False),
+        pytest.param("cuda", False, marks=[pytest.mark.cuda, needs_cuda]),
+        pytest.param("cuda", True, marks=[pytest.mark.cuda, needs_cuda]),
+    ],
 )
-def test_every_bf16_bit_pattern_survives_both_tiers_and_demotion(device):
+def test_every_bf16_bit_pattern_survives_both_tiers_and_demotion(device, pinned):
     """All 65,536 BF16 patterns are stored raw in the device tier, demoted to the
-    CPU tier, and staged straight into the CPU tier; every read is bit-exact."""
+    CPU tier (page-locked, where demotions are asynchronous DMA, or pageable),
+    and staged straight into the CPU tier; every read is bit-exact."""
     store = TieredKVSnapshotStore(
         BF16_GEOMETRY,
         device=device,
         device_budget_bytes=BF16_GEOMETRY.block_nbytes,
         cpu_capacity_blocks=2,
     )
+    if pinned:
+        assert store.pin_cpu_tier() and store.cpu_rows.is_pinned()
+    else:
+        assert not store.cpu_rows.is_pinned()
     assert store.device_rows.device.type == device
     patterns = all_bf16_patterns()
     expected = patterns.view(torch.int16)
@@ -641,3 +650,11 @@ def test_every_bf16_bit_pattern_survives_both_tiers_and_demotion(device):
     tier, bits = read_bits(store, key(3))
     assert tier == CPU_TIER and torch.equal(bits, expected)
     assert store.stats().demotions == 1
+    store.unpin_cpu_tier()
+    assert not store.cpu_rows.is_pinned()
+
+
+def test_a_cpu_store_has_nothing_to_page_lock():
+    store = make_store(1, 2)
+    assert store.pin_cpu_tier() is False
+    store.unpin_cpu_tier()  # and nothing to undo

@@ -223,21 +223,33 @@ class XavierTransferActor(xo.StatelessActor):
                 else config.cpu_capacity_blocks
             ),
         )
-        transport = await create_device_tier_transport(
-            config.transport,
-            TransportContext(
-                address=self.address,
-                device=cache.device,
-                geometry=identity.geometry,
-                rpc_timeout_s=config.rpc_timeout_s,
-                agent_name=f"{config.model_uid}-{config.rank}",
-                store_rows=store.device_rows,
-                locate_rows=store.locate_device_rows,
-                engine_layers=cache.row_layers,
-                engine_block_axis=layout.block_axis,
-                generation_words=store.generations.words,
-            ),
-        )
+        if store.device.type == "cuda":
+            pinned = await asyncio.to_thread(store.pin_cpu_tier)
+            logger.info(
+                "rank %d: CPU tier of %d blocks %s",
+                config.rank,
+                store.stats().cpu_capacity_blocks,
+                "page-locked" if pinned else "in pageable memory",
+            )
+        try:
+            transport = await create_device_tier_transport(
+                config.transport,
+                TransportContext(
+                    address=self.address,
+                    device=cache.device,
+                    geometry=identity.geometry,
+                    rpc_timeout_s=config.rpc_timeout_s,
+                    agent_name=f"{config.model_uid}-{config.rank}",
+                    store_rows=store.device_rows,
+                    locate_rows=store.locate_device_rows,
+                    engine_layers=cache.row_layers,
+                    engine_block_axis=layout.block_axis,
+                    generation_words=store.generations.words,
+                ),
+            )
+        except BaseException:
+            store.unpin_cpu_tier()  # a failed attempt leaves nothing behind
+            raise
         self._mapped = _Mapped(
             identity,
             cache,
@@ -557,6 +569,7 @@ class XavierTransferActor(xo.StatelessActor):
             # Results stay collectable; everything else goes with the memory.
             self._results_after_close = {r.load_id: r for r in mapped.loads.finished()}
             await mapped.transport.close()
+            mapped.store.unpin_cpu_tier()
             release_memory(mapped.store.device)
         logger.info("Xavier transfer actor rank %d closed: %s", rank, stats)
 

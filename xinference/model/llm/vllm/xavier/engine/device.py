@@ -26,6 +26,7 @@ importer (one mmap, one IPC open), exactly as in the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
+
+logger = logging.getLogger(__name__)
 
 
 def fence(device: torch.device | str) -> None:
@@ -309,6 +312,57 @@ def _import_storage(
         return storage  # type: ignore[return-value]
     flat = handle.rebuild(*handle.args)
     return flat.untyped_storage()  # type: ignore[return-value]
+
+
+class HostPin:
+    """A host tensor's memory page-locked in place for CUDA copies.
+
+    Device-to-host copies into pageable memory go through the driver's bounce
+    buffers and block the calling thread (and the first write to each page
+    faults it in); into page-locked memory they are DMA at the link's speed and
+    asynchronous. ``torch.empty(..., pin_memory=True)`` would round a large
+    tier up to the next power of two in torch's pinned cache, so the tier's own
+    allocation is registered instead. Registering touches every page: seconds
+    for tens of GiB, so call ``pin`` from a worker thread.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock the tensor (no-op without CUDA or for an empty tensor);
+        False, with a warning, where the system refuses (a memlock limit)."""
+        tensor = self._tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pinned or nbytes == 0 or not torch.cuda.is_available():
+            return self.pinned
+        try:
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            )
+        except Exception as exc:
+            logger.warning(
+                "Xavier: could not page-lock %.1f GiB of host memory (%s); copies to "
+                "it stay synchronous and slower",
+                nbytes / 1024**3,
+                exc,
+            )
+            return False
+        self.pinned = True
+        return True
+
+    def unpin(self) -> None:
+        """Undo ``pin`` (before the memory is freed)."""
+        if not self.pinned:
+            return
+        self.pinned = False
+        try:
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
+            )
+        except Exception as exc:  # the process is going anyway
+            logger.warning("Xavier: could not unlock host memory: %s", exc)
 
 
 def release_memory(device: torch.device | str) -> None:

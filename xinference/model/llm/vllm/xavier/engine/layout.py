@@ -290,6 +290,27 @@ def write_snapshot_rows(
     wide.index_copy_(0, index, rows)
 
 
+# Past this many runs, a copy within one device gathers and scatters (two kernel
+# launches) instead of copying run by run.
+MAX_RUN_COPIES = 32
+
+
+def snapshot_runs(
+    source_first_rows: Sequence[int], target_first_rows: Sequence[int], num_layers: int
+) -> list[tuple[int, int, int]]:
+    """``(source row, target row, rows)`` of the longest runs of snapshots that
+    follow each other on both sides, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for source, target in zip(source_first_rows, target_first_rows, strict=True):
+        if runs:
+            last_source, last_target, rows = runs[-1]
+            if (source, target) == (last_source + rows, last_target + rows):
+                runs[-1] = (last_source, last_target, rows + num_layers)
+                continue
+        runs.append((source, target, num_layers))
+    return runs
+
+
 def copy_snapshot_rows(
     source: torch.Tensor,
     source_first_rows: Sequence[int],
@@ -299,7 +320,13 @@ def copy_snapshot_rows(
 ) -> None:
     """Whole snapshots from ``source`` rows to ``target`` rows of equal width, on
     any two devices: snapshot ``i`` from ``source_first_rows[i]`` to
-    ``target_first_rows[i]``."""
+    ``target_first_rows[i]``, queued without waiting (callers fence).
+
+    One slice copy per run of snapshots that follow each other on both sides,
+    straight from source to target: between a GPU and page-locked host memory
+    each is one DMA transfer, with no temporary and no host-side copy (a
+    demotion, the bulk of the write path's bytes). Many short runs within one
+    device are gathered and scattered instead."""
     if len(source_first_rows) != len(target_first_rows):
         raise ValueError(
             f"{len(source_first_rows)} source snapshots for "
@@ -307,5 +334,14 @@ def copy_snapshot_rows(
         )
     if not source_first_rows:
         return
-    rows = read_snapshot_rows(source, source_first_rows, num_layers)
-    write_snapshot_rows(target, target_first_rows, rows.to(target.device), num_layers)
+    runs = snapshot_runs(source_first_rows, target_first_rows, num_layers)
+    if len(runs) > MAX_RUN_COPIES and source.device == target.device:
+        rows = read_snapshot_rows(source, source_first_rows, num_layers)
+        write_snapshot_rows(target, target_first_rows, rows, num_layers)
+        return
+    wide = wide_view(source, wide_view(target).dtype)
+    into = target.view(wide.dtype)
+    for source_row, target_row, rows in runs:
+        into[target_row : target_row + rows].copy_(
+            wide[source_row : source_row + rows], non_blocking=True
+        )

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.device import HostPin
 from ..hashing import BlockHash
 from ..stats import StoreStats
 from ..wire import CPU_TIER, DEVICE_TIER, KVGeometry
@@ -128,6 +129,8 @@ class TieredKVSnapshotStore:
             CPU_TIER, cpu_capacity_blocks, num_layers, row_nbytes, "cpu"
         )
         self._tiers = {DEVICE_TIER: self._device_tier, CPU_TIER: self._cpu_tier}
+        # the CPU tier page-locked while the store is on a GPU (``pin_cpu_tier``)
+        self._cpu_pin = HostPin(self._cpu_tier.rows)
         # one word per device slot, for lease-free reads (``generations.py``)
         self.generations = SlotGenerations(device_slots)
 
@@ -164,6 +167,20 @@ class TieredKVSnapshotStore:
     def cpu_rows(self) -> torch.Tensor:
         """``(cpu_slots * L, R)`` uint8 on CPU; may have 0 rows."""
         return self._cpu_tier.rows
+
+    def pin_cpu_tier(self) -> bool:
+        """Page-lock the CPU tier when the store is on a GPU: demotions are then
+        one DMA transfer per run at the host link's speed (into pageable memory
+        they crawl through the driver's bounce buffers and fault every page in,
+        which kept an H100's staging ring full). Whether it is pinned now.
+        Blocking, seconds for a large tier: call it from a worker thread."""
+        if self.device.type != "cuda":
+            return False
+        return self._cpu_pin.pin()
+
+    def unpin_cpu_tier(self) -> None:
+        """Undo ``pin_cpu_tier`` (before the store is dropped)."""
+        self._cpu_pin.unpin()
 
     def rows(self, tier: str) -> torch.Tensor:
         """The rows tensor of ``tier`` (``DEVICE_TIER`` or ``CPU_TIER``)."""
