@@ -341,7 +341,7 @@ def copy_snapshot_rows(
         return
     wide = wide_view(source, wide_view(target).dtype)
     into = target.view(wide.dtype)
-    for source_row, target_row, rows in runs:
-        into[target_row : target_row + rows].copy_(
-            wide[source_row : source_row + rows], non_blocking=True
+    for source_row, target_row, count in runs:
+        into[target_row : target_row + count].copy_(
+            wide[source_row : source_row + count], non_blocking=True
         )
