@@ -23,7 +23,14 @@ import torch
 
 from ..wire import KVGeometry
 from .device import PinnedIds, host_to_device
-from .layout import WIDE_DTYPES, KVLayout, dtype_name, wide_view, write_snapshot_rows
+from .layout import (
+    WIDE_DTYPES,
+    KVLayout,
+    consecutive_snapshots,
+    dtype_name,
+    wide_view,
+    write_snapshot_rows,
+)
 from .scatter_graphs import ScatterGraphs
 
 
@@ -185,7 +192,23 @@ class BlockMajorCache:
         """Copy every layer of blocks ``block_ids`` into snapshot rows: layer ``l``
         of ``block_ids[i]`` to ``rows[first_rows[i] + l]`` (``rows`` uint8, maybe on
         another device). Copies are queued on the current stream: one gather
-        (``gather_snapshots``) and one copy where the layout allows."""
+        (``gather_snapshots``) and one copy where the layout allows, or, into rows
+        on the cache's device that follow each other (the staging ring's usual
+        case) through the piece span, one gather straight into them: no
+        temporary as large as the copy on the engine's device, outside vLLM's
+        memory budget, and half the bytes moved."""
+        if (
+            self._span is not None
+            and rows.device == self.device
+            and rows.is_contiguous()
+            and consecutive_snapshots(first_rows, self.num_layers)
+        ):
+            first = first_rows[0] if first_rows else 0
+            count = len(first_rows) * self.num_layers
+            self._span.gather_into(
+                self._check_index(block_ids), rows[first : first + count]
+            )
+            return
         snapshots = self.gather_snapshots(block_ids).to(rows.device)
         # The staging ring's slots usually follow each other: then one slice copy.
         write_snapshot_rows(
@@ -543,6 +566,16 @@ class _PieceSpan:
             self._piece_rows, index.view(-1, 1, 1), alpha=self._block_step
         )
         return self._span.index_select(0, sources.view(-1)).view(index.numel(), -1)
+
+    def gather_into(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """``gather`` written into ``rows`` ``(keys * L, R)`` uint8 (contiguous,
+        on the device) instead of a new tensor."""
+        sources = torch.add(
+            self._piece_rows, index.view(-1, 1, 1), alpha=self._block_step
+        )
+        # a view (never wide_view's copy): the gather must land in ``rows``
+        out = rows.view(self._span.dtype).view(-1, self._span.shape[1])
+        torch.index_select(self._span, 0, sources.view(-1), out=out)
 
     def scatter(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole snapshots ``rows`` ``(keys * L, R)`` uint8 into blocks ``index``
