@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_benchmark import TIMEOUT_S, Client, Sample, scrape, tokens  # noqa: E402
 
-from xinference.model.llm.vllm.xavier.connector.worker_totals import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.connector.totals_report import (  # noqa: E402
     REPORTED_WITHIN_S,
 )
 

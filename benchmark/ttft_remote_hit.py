@@ -92,7 +92,7 @@ from xinference.model.llm.tiny_model import (  # noqa: E402
     build_tiny_qwen2,
     qwen25_05b_shaped,
 )
-from xinference.model.llm.vllm.xavier.connector.worker_totals import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.connector.totals_report import (  # noqa: E402
     REPORTED_WITHIN_S,
 )
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks  # noqa: E402

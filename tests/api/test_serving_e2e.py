@@ -53,6 +53,23 @@ ENGINE_OPTIONS = [
 WORKLOAD = Workload(groups=3, per_group=2, max_tokens=16, prefix_words=240)
 PREFIX_BLOCKS = 8  # each group's prefix covers at least this many 32-token blocks
 CHAT = [{"role": "user", "content": "name three syllables " * 12}]
+# Chats that share a system prompt (``serve_two_way_chats``): several blocks of
+# it, then questions of a few blocks each, so that what one replica computes
+# after the shared blocks is a run another replica can load.
+SYSTEM = {
+    "role": "system",
+    "content": "You are a careful assistant for a garden shop. "
+    + "Answer briefly, name the plant, its season and its water needs. " * 6,
+}
+
+
+def question(topic: str) -> dict[str, str]:
+    return {
+        "role": "user",
+        "content": f"Tell me about {topic}: " + f"when to plant {topic}, " * 10,
+    }
+
+
 EXIT_TIMEOUT_S = 60.0
 
 
@@ -72,6 +89,11 @@ class Run:
     holders: list[str | None] = field(default_factory=list)
     stream_text: str = ""
     chat_text: str = ""
+    # serve_two_way_chats: per chat, (replica, external tokens, holder, text)
+    two_way: list[tuple[int, int, str | None, str]] = field(default_factory=list)
+    two_way_metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(
+        default_factory=dict
+    )
     prefix_lookups: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(
         default_factory=dict
@@ -81,7 +103,9 @@ class Run:
     leftovers: set[int] = field(default_factory=set)
 
 
-def serve_workload(server: LocalServer, uid: str, run: Run, *, xavier: bool) -> None:
+def serve_workload(
+    server: LocalServer, uid: str, run: Run, *, xavier: bool, two_way: bool = False
+) -> None:
     with httpx.Client(base_url=server.endpoint, timeout=120) as http:
         for index, prompt in enumerate(WORKLOAD.prompts()):
             if xavier and index % WORKLOAD.per_group:
@@ -142,10 +166,98 @@ def serve_workload(server: LocalServer, uid: str, run: Run, *, xavier: bool) -> 
                 )
                 assert response.status_code == 200, response.text
                 run.prefix_lookups.append(response.json())
-        for family in text_string_to_metric_families(http.get("/metrics").text):
-            for sample in family.samples:
-                labels = tuple(sorted(sample.labels.items()))
-                run.metrics[(sample.name, labels)] = sample.value
+        run.metrics = scrape(http)
+        if two_way:
+            serve_two_way_chats(http, uid, run, xavier=xavier)
+            run.two_way_metrics = scrape(http)
+
+
+def scrape(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    samples = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            samples[(sample.name, labels)] = sample.value
+    return samples
+
+
+def chat_on_replica(
+    http: httpx.Client, uid: str, replica: int, messages: list[dict[str, str]]
+) -> httpx.Response:
+    """A greedy chat served by ``replica``: round robin alternates the two
+    replicas, so a one-token probe first when the next turn is the other's."""
+    for _ in range(2):
+        probe = http.post(
+            "/v1/completions",
+            json=dict(model=uid, prompt="probe", max_tokens=1, temperature=0),
+        )
+        assert probe.status_code == 200, probe.text
+        if int(probe.headers["x-xinference-replica"]) != replica:
+            break
+    response = http.post(
+        "/v1/chat/completions",
+        json=dict(model=uid, messages=messages, max_tokens=8, temperature=0),
+    )
+    assert response.status_code == 200, response.text
+    assert int(response.headers["x-xinference-replica"]) == replica
+    return response
+
+
+def serve_two_way_chats(
+    http: httpx.Client, uid: str, run: Run, *, xavier: bool
+) -> None:
+    """Chats sharing a system prompt, each on a chosen replica, so that KV must
+    move both ways: 0 computes the system prompt; 1 loads it and computes its
+    question; 0 asks 1's question and loads it from 1; a conversation's first
+    turn on 1, its second on 0, which loads the first turn from 1."""
+
+    def chat(replica: int, messages: list[dict[str, str]], wait: bool) -> None:
+        response = chat_on_replica(http, uid, replica, messages)
+        headers, body = response.headers, response.json()
+        run.two_way.append(
+            (
+                replica,
+                int(headers["x-xinference-xavier-external-tokens"]),
+                headers.get("x-xinference-xavier-holder"),
+                body["choices"][0]["message"]["content"],
+            )
+        )
+        if xavier and wait:
+            # Until peers can find what it published: the run from the first
+            # block it computed (it had the cached ones, its own or loaded).
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            wait_listed(http, uid, messages, replica, cached // 32)
+
+    chat(0, [SYSTEM, question("basil")], wait=True)
+    chat(1, [SYSTEM, question("tulips")], wait=True)
+    chat(0, [SYSTEM, question("tulips")], wait=False)
+    first_turn = [SYSTEM, question("roses")]
+    chat(1, first_turn, wait=True)
+    answer = {"role": "assistant", "content": run.two_way[-1][3]}
+    chat(0, [*first_turn, answer, question("ferns")], wait=False)
+
+
+def wait_listed(
+    http: httpx.Client,
+    uid: str,
+    messages: list[dict[str, str]],
+    holder: int,
+    after_blocks: int,
+) -> None:
+    """Until the tracker lists ``holder`` for the run of ``messages``'s blocks
+    from ``after_blocks`` on (the blocks it computed itself)."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        response = http.post(
+            f"/v1/models/{uid}/prefix",
+            json={"messages": messages, "after_blocks": after_blocks},
+        )
+        assert response.status_code == 200, response.text
+        found = response.json()
+        if found["holder"] == holder and found["prefix_blocks"] > after_blocks + 1:
+            return
+        assert time.monotonic() < deadline, f"not published by {holder}: {found}"
+        time.sleep(0.05)
 
 
 def wait_published(http: httpx.Client, uid: str, prompt: str) -> None:
@@ -201,7 +313,7 @@ def xavier_run(server: LocalServer) -> Run:
             run.reports = client.replica_reports(MODEL_NAME)
         run.launched_processes = server.descendants() - baseline
         run.listed = runner.invoke(cli, ["--endpoint", server.endpoint, "list"]).output
-        serve_workload(server, MODEL_NAME, run, xavier=True)
+        serve_workload(server, MODEL_NAME, run, xavier=True, two_way=True)
     finally:
         run.terminate_output = runner.invoke(
             cli, ["--endpoint", server.endpoint, "terminate", "--model-uid", MODEL_NAME]
@@ -210,7 +322,13 @@ def xavier_run(server: LocalServer) -> Run:
     return run
 
 
-def launch_by_rest(server: LocalServer, run: Run, xavier: bool, **options: Any) -> None:
+def launch_by_rest(
+    server: LocalServer,
+    run: Run,
+    xavier: bool,
+    two_way: bool = False,
+    **options: Any,
+) -> None:
     """Launch by path through the REST API, serve the workload, terminate."""
     baseline = server.descendants()
     model_path = str(resolve_model(MODEL_NAME, server.workdir))
@@ -229,7 +347,7 @@ def launch_by_rest(server: LocalServer, run: Run, xavier: bool, **options: Any) 
             run.reports = client.replica_reports(uid)
             run.launched_processes = server.descendants() - baseline
             run.listed = client.list_models()
-            serve_workload(server, uid, run, xavier=xavier)
+            serve_workload(server, uid, run, xavier=xavier, two_way=two_way)
         finally:
             run.terminate_output = client.terminate_model(uid)
     run.leftovers = wait_for_no_descendants(server, baseline, EXIT_TIMEOUT_S)
@@ -240,7 +358,7 @@ def plain_run(server: LocalServer) -> Run:
     """Xavier off: REST launch by path, workload, REST terminate. (Module fixtures
     run one after the other: the Xavier deployment is gone by now.)"""
     run = Run()
-    launch_by_rest(server, run, xavier=False)
+    launch_by_rest(server, run, xavier=False, two_way=True)
     return run
 
 
@@ -352,6 +470,41 @@ def test_second_replica_serves_the_shared_prefix_from_the_first(
     assert metric(xavier_run, "xavier_received_wire_bytes_total", 1) == useful
 
 
+def test_sharing_runs_both_ways_across_chats_and_turns(xavier_run: Run) -> None:
+    """With a shared system prompt, what replica 1 computes after the blocks it
+    loaded from replica 0 is published, and replica 0 loads it: in the same
+    chat, and in a conversation's second turn. Before, a replica published
+    nothing after loaded blocks and lookups needed one holder of everything from
+    block 0, so replica 0 recomputed both."""
+    served = [(replica, holder) for replica, _, holder, _ in xavier_run.two_way]
+    assert served == [(0, None), (1, "0"), (0, "1"), (1, None), (0, "1")]
+    loaded = [tokens for _, tokens, _, _ in xavier_run.two_way]
+    assert loaded[0] == loaded[3] == 0 and all(n >= 64 for n in loaded[1:3]), loaded
+    assert loaded[4] >= 64, loaded
+    before, after = xavier_run.metrics, xavier_run.two_way_metrics
+    for rank in (0, 1):  # hits per pair: each replica loaded from the other
+        gained = sum(
+            value - before.get(key, 0.0)
+            for key, value in after.items()
+            if key[0] == "xavier_remote_hits_total" and ("rank", str(rank)) in key[1]
+        )
+        assert gained >= 2, (rank, gained)
+
+
+def test_the_connector_reports_its_staging_and_its_engine_time(
+    xavier_run: Run,
+) -> None:
+    """Counted in the engine process, reported to the transfer actor within
+    seconds: the scrape after the chats has the totals of the workload before."""
+    run = Run(metrics=xavier_run.two_way_metrics)
+    for rank in (0, 1):
+        assert metric(run, "xavier_staged_blocks_total", rank) > 0
+        assert metric(run, "xavier_stage_skipped_blocks_total", rank) == 0
+        for half in ("scheduler", "worker"):
+            seconds = metric(run, "xavier_engine_thread_seconds_total", rank, half=half)
+            assert seconds > 0, (rank, half)
+
+
 def test_router_keys_match_what_the_replicas_registered(xavier_run: Run) -> None:
     """The front end hashes prompts the way the connector does: the tracker knows
     every group's prefix under the keys the cache-aware router would look up."""
@@ -409,6 +562,9 @@ def test_outputs_equal_with_and_without_xavier(xavier_run: Run, plain_run: Run) 
     assert all(xavier_run.texts)
     assert xavier_run.stream_text == plain_run.stream_text == xavier_run.texts[0]
     assert xavier_run.chat_text == plain_run.chat_text
+    assert [chat[3] for chat in xavier_run.two_way] == [
+        chat[3] for chat in plain_run.two_way
+    ]
 
 
 # ---- routing only: Xavier publishes, nobody loads -----------------------------------

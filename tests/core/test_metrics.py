@@ -48,6 +48,12 @@ XAVIER_STATS = XavierStats(
         loads_ok=3,
         loads_failed=1,
         connector_faults=4,
+        worker_staged_blocks=40,
+        stage_skipped_ring_full=6,
+        stage_skipped_unmapped=2,
+        ring_slots_retired=3,
+        worker_engine_seconds=0.25,
+        scheduler_engine_seconds=0.5,
     ),
     load_latency=LatencySummary(
         count=3, sum_s=0.006, buckets=((0.001, 1), (0.0025, 3))
@@ -104,6 +110,14 @@ def test_per_replica_xavier_series():
     assert get("xavier_skips_total") == 1
     assert get("xavier_load_errors_total") == 1
     assert get("xavier_connector_faults_total") == 4
+    assert get("xavier_staged_blocks_total") == 40
+    skipped = "xavier_stage_skipped_blocks_total"
+    assert get(skipped, ("reason", "ring_full")) == 6
+    assert get(skipped, ("reason", "no_ring")) == 0
+    assert get(skipped, ("reason", "unmapped")) == 2
+    assert get("xavier_ring_slots_retired_total") == 3
+    assert get("xavier_engine_thread_seconds_total", ("half", "worker")) == 0.25
+    assert get("xavier_engine_thread_seconds_total", ("half", "scheduler")) == 0.5
     assert get("xavier_load_seconds_bucket", ("le", "0.001")) == 1
     assert get("xavier_load_seconds_bucket", ("le", "+Inf")) == 3
     assert get("xavier_load_seconds_count") == 3

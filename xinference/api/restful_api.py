@@ -214,7 +214,9 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
     @app.post("/v1/models/{model_uid}/prefix")
     async def prefix(model_uid: str, body: PrefixRequest) -> dict[str, Any]:
         """Which replica holds the longest published prefix of a prompt (Xavier's
-        block tracker, as the cache-aware router sees it)."""
+        block tracker, as the cache-aware router sees it); with ``after_blocks``,
+        the longest run from that block on, as a replica that has the blocks
+        before it looks it up (``prefix_blocks`` counts those too)."""
         dispatcher = await (await hub()).get(model_uid)
         if body.messages is not None:
             messages = [message.plain() for message in body.messages]
@@ -223,12 +225,13 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
             token_ids = await asyncio.to_thread(
                 dispatcher.renderer.completion_ids, body.prompt or ""
             )
-        holder, blocks = await dispatcher.longest_prefix(token_ids)
+        holder, blocks = await dispatcher.longest_prefix(token_ids, body.after_blocks)
         return {
             "holder": holder,
             "prefix_blocks": blocks,
             "prefix_tokens": blocks * dispatcher.deployment.block_size,
             "prompt_tokens": len(token_ids),
+            "after_blocks": body.after_blocks,
         }
 
     @app.delete("/v1/models/{model_uid}")

@@ -198,3 +198,6 @@ class PrefixRequest(BaseModel):
 
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
+    # Look up the run from this block on: what a replica that has the first
+    # ``after_blocks`` blocks itself asks for (0: the whole prefix).
+    after_blocks: int = Field(default=0, ge=0)

@@ -339,14 +339,16 @@ class ReplicaDispatcher:
             logger.warning("could not abort stream %s: %r", request_id, error)
 
     async def longest_prefix(
-        self, prompt_token_ids: Sequence[int]
+        self, prompt_token_ids: Sequence[int], after_blocks: int = 0
     ) -> tuple[int | None, int]:
         """(replica holding the longest published prefix, its length in blocks),
-        per the block tracker; (None, 0) when nobody holds one or Xavier is off."""
-        return await self._longest_prefix(prompt_token_ids)
+        per the block tracker; (None, 0) when nobody holds one or Xavier is off.
+        With ``after_blocks``: the replica holding the longest run from that
+        block on, and the prefix's length counting the blocks before it."""
+        return await self._longest_prefix(prompt_token_ids, after_blocks)
 
     async def _longest_prefix(
-        self, prompt_token_ids: Sequence[int]
+        self, prompt_token_ids: Sequence[int], after_blocks: int = 0
     ) -> tuple[int | None, int]:
         namespace = self.deployment.hash_namespace
         if self._tracker is None or namespace is None:
@@ -355,6 +357,7 @@ class ReplicaDispatcher:
         # the full blocks before it can come from a cache.
         usable = list(prompt_token_ids[: max(len(prompt_token_ids) - 1, 0)])
         keys = hash_full_blocks(usable, self.deployment.block_size, namespace)
+        keys = keys[after_blocks:]
         if not keys:
             return None, 0
         try:
@@ -369,7 +372,7 @@ class ReplicaDispatcher:
             return None, 0
         if hit is None:
             return None, 0
-        return hit.rank, hit.num_blocks
+        return hit.rank, after_blocks + hit.num_blocks
 
     def _gone_event(self, rank: int) -> asyncio.Event:
         return self._gone_events.setdefault(rank, asyncio.Event())

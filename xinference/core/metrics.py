@@ -33,8 +33,9 @@ class XavierMetric:
 
     ``stat`` is a dotted attribute path into the transfer actor's ``XavierStats``
     (for example ``"transport.sent_wire_bytes"``); ``tier`` adds a tier label when
-    the stat is per tier, ``reason`` a reason label when it counts one cause among
-    several; ``per_block_tokens`` multiplies a block count by the block size. Every transport fills every ``TransportStats`` field, so a series is never
+    the stat is per tier, ``label`` another ``(name, value)`` label (one cause
+    among several, one connector half); ``per_block_tokens`` multiplies a block
+    count by the block size. Every transport fills every ``TransportStats`` field, so a series is never
     missing under one transport.
     """
 
@@ -43,19 +44,19 @@ class XavierMetric:
     help: str
     kind: str = "counter"  # or "gauge"
     tier: str | None = None
-    reason: str | None = None
+    label: tuple[str, str] | None = None
     per_block_tokens: bool = False
+
+    def _extra(self) -> list[tuple[str, str]]:
+        tier = [] if self.tier is None else [("tier", self.tier)]
+        return tier + ([] if self.label is None else [self.label])
 
     def labels(self) -> list[str]:
         """The values of the labels this series adds to the replica's."""
-        return [value for value in (self.tier, self.reason) if value is not None]
+        return [value for _, value in self._extra()]
 
     def label_names(self) -> list[str]:
-        return [
-            name
-            for name, value in (("tier", self.tier), ("reason", self.reason))
-            if value is not None
-        ]
+        return [name for name, _ in self._extra()]
 
 
 _HITS = "Blocks this replica loaded from a peer instead of computing, by holder tier"
@@ -175,9 +176,20 @@ XAVIER_METRICS: tuple[XavierMetric, ...] = (
             f"actor.stage_skipped_{reason}",
             "xavier_stage_skipped_blocks",
             _SKIPPED,
-            reason=reason,
+            label=("reason", reason),
         )
         for reason in ("ring_full", "no_ring", "unmapped")
+    ),
+    *(
+        XavierMetric(
+            f"actor.{half}_engine_seconds",
+            "xavier_engine_thread_seconds",
+            "Seconds Xavier's connector spent inside the methods vLLM calls on its "
+            "engine's threads, by connector half (summed over engine ranks); "
+            "against wall time, what Xavier costs the engine",
+            label=("half", half),
+        )
+        for half in ("scheduler", "worker")
     ),
     XavierMetric(
         "actor.ring_slots_retired",

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .wire import WorkerTotals
+    from .wire import ConnectorTotals
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +98,8 @@ class ActorCounters:
     leases_expired: int = 0
     tracker_failures: int = 0
     connector_faults: int = 0  # contained inside this replica's vLLM connector
-    # What the engine process counted, as its last report said
-    # (``wire.WorkerTotals`` has the meanings): its lease-free loads ...
+    # What the connector counted in the engine process, as its last report
+    # said (``wire.ConnectorTotals`` has the meanings): its lease-free loads ...
     direct_reads: int = 0
     direct_reads_stale: int = 0
     direct_read_seconds: float = 0.0  # those loads' own time, summed
@@ -110,8 +110,11 @@ class ActorCounters:
     stage_skipped_unmapped: int = 0
     ring_slots_retired: int = 0
     worker_stagings_failed: int = 0
+    # ... and the time each connector half took on the engine's thread
+    worker_engine_seconds: float = 0.0
+    scheduler_engine_seconds: float = 0.0
 
-    def record_worker_totals(self, totals: WorkerTotals) -> None:
+    def record_connector_totals(self, totals: ConnectorTotals) -> None:
         """The engine process's totals so far: a report lost or overtaken is made
         good by a later one, and a counter never goes back."""
         self.direct_reads = max(self.direct_reads, totals.direct_reads)
@@ -136,6 +139,12 @@ class ActorCounters:
         )
         self.worker_stagings_failed = max(
             self.worker_stagings_failed, totals.stagings_failed
+        )
+        self.worker_engine_seconds = max(
+            self.worker_engine_seconds, totals.worker_engine_seconds
+        )
+        self.scheduler_engine_seconds = max(
+            self.scheduler_engine_seconds, totals.scheduler_engine_seconds
         )
 
 

@@ -181,17 +181,20 @@ class StageItem:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerTotals:
-    """What a worker (vLLM's engine process) counted so far, for its transfer
-    actor's metrics (``connector/worker_totals.py``): totals, never increments,
-    so a lost report is made good by the next.
+class ConnectorTotals:
+    """What a replica's connector halves counted so far in vLLM's engine process,
+    for its transfer actor's metrics (``connector/totals_report.py``): totals,
+    never increments, so a lost report is made good by the next. Each half
+    fills its own fields and leaves the others 0.
 
-    ``direct_*``: the lease-free loads it READ itself (all, those failed as
-    stale, their own time summed). ``staged_blocks``: blocks copied into its
-    staging ring and handed to the actor; ``stage_skipped_*``: blocks it was
-    asked to stage but did not (no free ring slot, no ring, caches not mapped
-    yet); ``ring_slots_retired``: slots of stagings the actor never answered;
-    ``stagings_failed``: stagings the actor answered with an error.
+    Worker half: ``direct_*``, the lease-free loads it READ itself (all, those
+    failed as stale, their own time summed); ``staged_blocks``, blocks copied
+    into its staging ring and handed to the actor; ``stage_skipped_*``, blocks
+    it was asked to stage but did not (no free ring slot, no ring, caches not
+    mapped yet); ``ring_slots_retired``, slots of stagings the actor never
+    answered; ``stagings_failed``, stagings the actor answered with an error.
+    ``*_engine_seconds``: time each half spent inside the methods vLLM calls on
+    its thread (``connector/engine_time.py``).
     """
 
     direct_reads: int = 0
@@ -203,6 +206,8 @@ class WorkerTotals:
     stage_skipped_unmapped: int = 0
     ring_slots_retired: int = 0
     stagings_failed: int = 0
+    worker_engine_seconds: float = 0.0
+    scheduler_engine_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,15 +30,15 @@ from xinference.model.llm.vllm.xavier.connector.direct_reads import (
     DirectReads,
 )
 from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
-from xinference.model.llm.vllm.xavier.connector.worker_totals import (
-    WorkerTotalsReport,
+from xinference.model.llm.vllm.xavier.connector.totals_report import (
+    TotalsReport,
 )
 from xinference.model.llm.vllm.xavier.engine.blocks import BlockMajorCache
 from xinference.model.llm.vllm.xavier.engine.layout import detect_layout
 from xinference.model.llm.vllm.xavier.stats import ActorCounters, XavierStats
 from xinference.model.llm.vllm.xavier.wire import (
+    ConnectorTotals,
     KVGeometry,
-    WorkerTotals,
 )
 
 from .._support import CUDA_SKIP
@@ -260,8 +260,8 @@ class CountingActor:
     def __init__(self) -> None:
         self.counters = ActorCounters()
 
-    async def record_worker_totals(self, totals: WorkerTotals) -> None:
-        self.counters.record_worker_totals(totals)
+    async def record_connector_totals(self, totals: ConnectorTotals) -> None:
+        self.counters.record_connector_totals(totals)
 
 
 def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float]:
@@ -271,9 +271,9 @@ def exported_counts(loop: BackgroundLoop, reads: DirectReads) -> dict[str, float
     async def own_actor() -> CountingActor:
         return actor
 
-    report = WorkerTotalsReport(loop, own_actor, rpc_timeout_s=5.0, delay_s=0.05)
+    report = TotalsReport(loop, own_actor, rpc_timeout_s=5.0, delay_s=0.05)
     report.start(
-        lambda: WorkerTotals(
+        lambda: ConnectorTotals(
             direct_reads=reads.loads,
             direct_reads_stale=reads.stale,
             direct_read_seconds=reads.seconds,

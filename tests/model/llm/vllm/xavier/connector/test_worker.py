@@ -22,10 +22,10 @@ from xinference.model.llm.vllm.xavier.connector.scheduler import (
     RequestLoad,
     StepMetadata,
 )
-from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
-from xinference.model.llm.vllm.xavier.connector.worker_totals import (
-    WorkerTotalsReport,
+from xinference.model.llm.vllm.xavier.connector.totals_report import (
+    TotalsReport,
 )
+from xinference.model.llm.vllm.xavier.connector.worker import WorkerSettings, WorkerSide
 from xinference.model.llm.vllm.xavier.engine.device import DeviceWorkMark
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.wire import LoadRequest, StageItem
@@ -115,7 +115,7 @@ def make_worker(
     async def plain_actor() -> Any:  # the report's: not counted among the refs
         return await xo.actor_ref(address, transfer_actor_uid(MODEL, rank))
 
-    report = WorkerTotalsReport(loop, plain_actor, rpc_timeout_s, delay_s=0.05)
+    report = TotalsReport(loop, plain_actor, rpc_timeout_s, delay_s=0.05)
     settings = WorkerSettings(
         model=MODEL,
         num_blocks=NUM_BLOCKS,
@@ -133,7 +133,9 @@ def make_worker(
         step_tokens=step_tokens,
         device_budget_bytes=gpu_cache_bytes or 0,
     )
-    return WorkerSide(settings, loop, factory or actor, totals_report=report)
+    worker = WorkerSide(settings, loop, factory or actor)
+    report.start(worker.totals)  # as the facade does: the counts feed the metrics
+    return worker
 
 
 def test_the_staging_ring_comes_out_of_the_device_budget(cluster, loop):

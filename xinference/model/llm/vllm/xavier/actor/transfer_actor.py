@@ -9,7 +9,7 @@ face of three parts that need no xoscar: ``staging.py`` (snapshot computed block
 - the worker half of the connector: ``map_engine_caches``, ``stage``,
   ``run_load`` (asynchronous loads), ``load_now`` / ``fence_load`` (bounded
   synchronous ones), ``start_load`` / ``wait_load`` / ``cancel_load``, and
-  ``record_connector_fault`` and ``record_worker_totals``;
+  ``record_connector_fault`` and ``record_connector_totals``;
 - the scheduler half: ``reserve`` / ``release`` on the holder, after asking the
   tracker who holds a prefix;
 - peer transfer actors: ``transport_call`` (whatever the device-tier transport
@@ -55,12 +55,12 @@ from ..transports import create_device_tier_transport
 from ..transports.base import DeviceTierTransport, HolderOp, TransportContext
 from ..transports.cpu_tier import CpuRowsReply, count_cpu_rows, gather_cpu_rows
 from ..wire import (
+    ConnectorTotals,
     LeaseGrant,
     LoadRequest,
     LoadResult,
     ReplicaIdentity,
     StageItem,
-    WorkerTotals,
 )
 from .actor_config import TransferActorConfig
 from .leases import LeaseBook
@@ -502,11 +502,11 @@ class XavierTransferActor(xo.StatelessActor):
         self._counters.connector_faults += 1
         logger.debug("rank %d: connector fault in %s", self._config.rank, where)
 
-    async def record_worker_totals(self, totals: WorkerTotals) -> None:
+    async def record_connector_totals(self, totals: ConnectorTotals) -> None:
         """What this rank's engine process counted so far: the lease-free loads
         it READ itself and the blocks it staged or skipped
-        (``connector/worker_totals.py``); they feed the metrics."""
-        self._counters.record_worker_totals(totals)
+        (``connector/totals_report.py``); they feed the metrics."""
+        self._counters.record_connector_totals(totals)
 
     async def stats(self) -> XavierStats:
         """Everything this replica's Xavier side counts (``stats.XavierStats``)."""

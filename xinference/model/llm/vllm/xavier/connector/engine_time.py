@@ -50,6 +50,11 @@ class EngineTime:
             self._last_log = now
             self.log()
 
+    def seconds(self) -> float:
+        """Seconds spent in every method so far (read from any thread: a sum of
+        floats the engine's thread only ever adds to)."""
+        return sum(account.seconds for account in list(self._accounts.values()))
+
     def totals(self) -> dict[str, tuple[int, float]]:
         """method -> (calls, seconds), the busiest first."""
         ordered = sorted(self._accounts.items(), key=lambda item: -item[1].seconds)

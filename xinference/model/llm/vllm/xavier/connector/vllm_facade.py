@@ -47,7 +47,13 @@ from ..config import LOG_FORMAT, LOG_LEVEL_ENV, transfer_actor_uid
 from ..engine.layout import PACKED_KV_LAYOUT
 from ..hashing import BlockHash, model_namespace
 from ..tracker_mirror import TrackerMirror
-from ..wire import LeaseGrant, PrefixHit, ReplicaIdentity, TrackerChanges
+from ..wire import (
+    ConnectorTotals,
+    LeaseGrant,
+    PrefixHit,
+    ReplicaIdentity,
+    TrackerChanges,
+)
 from .direct_reads import direct_reads_factory
 from .engine_time import EngineTime, timed
 from .fast_path import direct_reads_wanted, sync_load_policy
@@ -60,6 +66,7 @@ from .ranks import (
 from .scheduler import SchedulerSettings, SchedulerSide
 from .staging_ring import ring_bytes_from_env
 from .step import RequestLoad, StepMetadata
+from .totals_report import TotalsReport
 from .vllm_compat import (
     FinishedParams,
     check_supported,
@@ -72,7 +79,6 @@ from .vllm_compat import (
 )
 from .vllm_metadata import XavierConnectorMetadata, XavierWorkerMetadata
 from .worker import WorkerSettings, WorkerSide
-from .worker_totals import WorkerTotalsReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -179,6 +185,13 @@ class XavierConnector(KVConnectorBase_V1):
             )
             self._mirror = mirror
             self._mirror_run = self._loop.submit(mirror.run())
+        # What this half counts goes to the transfer actor's metrics from the
+        # loop, once a second (the worker's from when its caches are known).
+        self._totals = TotalsReport(
+            self._loop, self._transfer_actor, options.rpc_timeout_s
+        )
+        if role == KVConnectorRole.SCHEDULER:
+            self._totals.start(self._scheduler_totals)
         else:
             worker_settings = WorkerSettings(
                 model=model,
@@ -202,15 +215,17 @@ class XavierConnector(KVConnectorBase_V1):
                 rpc_timeout_s=options.rpc_timeout_s,
             )
             self._worker = WorkerSide(
-                worker_settings,
-                self._loop,
-                self._transfer_actor,
-                direct_reads,
-                # its totals go to the transfer actor from the loop, once a second
-                WorkerTotalsReport(
-                    self._loop, self._transfer_actor, options.rpc_timeout_s
-                ),
+                worker_settings, self._loop, self._transfer_actor, direct_reads
             )
+
+    def _scheduler_totals(self) -> ConnectorTotals:
+        return ConnectorTotals(scheduler_engine_seconds=self._engine_time.seconds())
+
+    def _worker_totals(self) -> ConnectorTotals:
+        assert self._worker is not None
+        return dataclasses.replace(
+            self._worker.totals(), worker_engine_seconds=self._engine_time.seconds()
+        )
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -437,6 +452,7 @@ class XavierConnector(KVConnectorBase_V1):
             self._worker.register_kv_caches([tensor for _, tensor in ordered])
         except Exception as exc:  # never mapped: every load fails, nothing staged
             self._faults.record("register_kv_caches", exc)
+        self._totals.start(self._worker_totals)
 
     def register_cross_layers_kv_cache(
         self, kv_cache: torch.Tensor, attn_backend: type[AttentionBackend]

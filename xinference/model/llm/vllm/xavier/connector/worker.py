@@ -40,14 +40,13 @@ from ..config import format_size
 from ..engine import device
 from ..engine.blocks import BlockMajorCache
 from ..engine.layout import detect_layout
-from ..wire import LoadResult, ReplicaIdentity, WorkerTotals
+from ..wire import ConnectorTotals, LoadResult, ReplicaIdentity
 from .direct_reads import DirectReads, DirectReadsFactory, run_lease_free
 from .load_completions import EndedLoads, InFlightLoad, PostedLoads, cancel_quietly
 from .load_outcomes import LoadOutcomes
 from .staging_ring import StagingRing, staging_ring_slots
 from .stale_loads import StaleLoad
 from .step import RequestLoad, StepMetadata
-from .worker_totals import WorkerTotalsReport
 from .write_behind import StagingCounts, WriteBehind
 
 logger = logging.getLogger(__name__)
@@ -94,11 +93,8 @@ class WorkerSide:
         loop: BackgroundLoop,
         actor_factory: ActorFactory,
         direct_reads: DirectReadsFactory | None = None,
-        totals_report: WorkerTotalsReport | None = None,
     ) -> None:
         self._settings = settings
-        # what this worker counts, sent to its actor for the metrics
-        self._totals_report = totals_report
         # lease-free synchronous loads, READ from this process (direct_reads.py)
         self._direct_reads_factory = direct_reads
         self._direct: DirectReads | None = None
@@ -143,8 +139,6 @@ class WorkerSide:
         self._make_staging_ring()
         if self._direct_reads_factory is not None:
             self._direct = self._direct_reads_factory(self._kv_caches)
-        if self._totals_report is not None:
-            self._totals_report.start(self.totals)
         self._try_mapping()
 
     def _make_staging_ring(self) -> None:
@@ -456,11 +450,11 @@ class WorkerSide:
         """
         self._write_behind.stage(step.stage, self._actor)
 
-    def totals(self) -> WorkerTotals:
-        """What this worker counted so far (read on the loop's thread: plain ints
-        the engine's thread only ever increments)."""
+    def totals(self) -> ConnectorTotals:
+        """What this worker half counted so far (read on the loop's thread: plain
+        ints the engine's thread only ever increments)."""
         direct, staging = self._direct, self._write_behind.counts
-        return WorkerTotals(
+        return ConnectorTotals(
             direct_reads=0 if direct is None else direct.loads,
             direct_reads_stale=0 if direct is None else direct.stale,
             direct_read_seconds=0.0 if direct is None else direct.seconds,

@@ -44,7 +44,7 @@ SKIP_LOG_EVERY_S = 60.0
 @dataclass(slots=True)
 class StagingCounts:
     """Totals of the blocks the scheduler half asked this worker to stage, by what
-    became of them (reported as ``wire.WorkerTotals``)."""
+    became of them (reported as ``wire.ConnectorTotals``)."""
 
     copied: int = 0  # into the ring, and handed to the actor
     skipped_ring_full: int = 0  # no free ring slot at the step (actor behind)

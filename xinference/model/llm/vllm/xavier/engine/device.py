@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -338,8 +339,10 @@ class HostPin:
         if self.pinned or nbytes == 0 or not torch.cuda.is_available():
             return self.pinned
         try:
-            torch.cuda.check_error(
-                torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            _in_own_thread(
+                lambda: torch.cuda.cudart().cudaHostRegister(
+                    tensor.data_ptr(), nbytes, 0
+                )
             )
         except Exception as exc:
             logger.warning(
@@ -358,11 +361,25 @@ class HostPin:
             return
         self.pinned = False
         try:
-            torch.cuda.check_error(
-                torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
+            _in_own_thread(
+                lambda: torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
             )
         except Exception as exc:  # the process is going anyway
             logger.warning("Xavier: could not unlock host memory: %s", exc)
+
+
+def _in_own_thread(call: Callable[[], Any]) -> None:
+    """Run a CUDA runtime call that returns an error code in a thread of its own,
+    and raise that error here. The runtime also keeps a failed call's error as
+    its thread's last error, which a later kernel launch check on that thread
+    would report as its own; a thread that ends takes it along."""
+    results: list[Any] = []
+    worker = threading.Thread(target=lambda: results.append(call()))
+    worker.start()
+    worker.join()
+    if not results:
+        raise RuntimeError("the CUDA runtime call raised in its thread")
+    torch.cuda.check_error(results[0])
 
 
 def release_memory(device: torch.device | str) -> None:

@@ -16,7 +16,7 @@ A report goes once the totals have stood still for one look (so never in the ste
 right after a hit: at least ``REPORT_DELAY_S`` after the last move), or, under
 steady hits, once ``MAX_LOOKS_DEFERRED`` looks have passed since they first moved.
 It carries totals, not increments, so a report that failed is made good by the
-next (``ActorCounters.record_worker_totals``).
+next (``ActorCounters.record_connector_totals``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..aio import BackgroundLoop, with_deadline
-from ..wire import WorkerTotals
+from ..wire import ConnectorTotals
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ MAX_LOOKS_DEFERRED = 4
 REPORTED_WITHIN_S = 2 * REPORT_DELAY_S
 
 
-class WorkerTotalsReport:
-    """Sends a worker's totals (``WorkerTotals``) to its transfer actor."""
+class TotalsReport:
+    """Sends a worker's totals (``ConnectorTotals``) to its transfer actor."""
 
     def __init__(
         self,
@@ -55,9 +55,9 @@ class WorkerTotalsReport:
         self._rpc_timeout_s = rpc_timeout_s
         self._delay_s = delay_s
         self._reporting: concurrent.futures.Future[None] | None = None
-        self.acknowledged = WorkerTotals()  # what the actor has
+        self.acknowledged = ConnectorTotals()  # what the actor has
 
-    def start(self, totals: Callable[[], WorkerTotals]) -> None:
+    def start(self, totals: Callable[[], ConnectorTotals]) -> None:
         """Report what ``totals`` returns from now on, until the loop closes
         (once: a second call changes nothing)."""
         if self._reporting is not None:
@@ -67,7 +67,7 @@ class WorkerTotalsReport:
         except RuntimeError:  # the loop is closed: shutting down
             pass
 
-    async def _report(self, source: Callable[[], WorkerTotals]) -> None:
+    async def _report(self, source: Callable[[], ConnectorTotals]) -> None:
         """One look at the totals every ``delay_s``."""
         last_look = self.acknowledged
         looks_deferred = 0
@@ -84,7 +84,7 @@ class WorkerTotalsReport:
             try:
                 actor = await self._actor()
                 await with_deadline(
-                    actor.record_worker_totals(totals), self._rpc_timeout_s
+                    actor.record_connector_totals(totals), self._rpc_timeout_s
                 )
             except Exception as exc:  # the next look sends the totals again
                 logger.debug("Xavier: worker totals not reported: %r", exc)

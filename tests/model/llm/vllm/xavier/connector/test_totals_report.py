@@ -1,5 +1,5 @@
 """A worker's totals (lease-free reads, staging) reach the transfer actor's
-counters (``connector/worker_totals.py``) from a task of the background loop:
+counters (``connector/totals_report.py``) from a task of the background loop:
 once they stood still for a look, or after a few looks under steady moves, and a
 report that failed is made good by the next one. The real reads that move these
 totals are in ``test_direct_reads.py``, real stagings in ``test_worker.py``."""
@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
-from xinference.model.llm.vllm.xavier.connector.worker_totals import (
+from xinference.model.llm.vllm.xavier.connector.totals_report import (
     MAX_LOOKS_DEFERRED,
-    WorkerTotalsReport,
+    TotalsReport,
 )
 from xinference.model.llm.vllm.xavier.stats import ActorCounters
-from xinference.model.llm.vllm.xavier.wire import WorkerTotals
+from xinference.model.llm.vllm.xavier.wire import ConnectorTotals
 
 
 class Actor:
@@ -36,14 +36,14 @@ class Actor:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def record_worker_totals(self, totals: WorkerTotals) -> None:
+    async def record_connector_totals(self, totals: ConnectorTotals) -> None:
         self.calls += 1
         self.called_at.append(time.monotonic())
         await self.gate.wait()
         if self.failures:
             self.failures -= 1
             raise ConnectionError("the actor is away")
-        self.counters.record_worker_totals(totals)
+        self.counters.record_connector_totals(totals)
 
 
 @pytest.fixture
@@ -55,17 +55,17 @@ def loop() -> Iterator[BackgroundLoop]:
 
 def counting(
     loop: BackgroundLoop, actor: Actor, delay_s: float = 0.02
-) -> tuple[WorkerTotalsReport, Any]:
+) -> tuple[TotalsReport, Any]:
     """A report of totals the test moves: ``reads.loads`` and so on are the
     direct reads, ``reads.staged`` and ``reads.skipped`` the staging counts."""
 
     async def own_actor() -> Actor:
         return actor
 
-    report = WorkerTotalsReport(loop, own_actor, rpc_timeout_s=5.0, delay_s=delay_s)
+    report = TotalsReport(loop, own_actor, rpc_timeout_s=5.0, delay_s=delay_s)
     reads = types.SimpleNamespace(loads=0, stale=0, seconds=0.0, staged=0, skipped=0)
     report.start(
-        lambda: WorkerTotals(
+        lambda: ConnectorTotals(
             direct_reads=reads.loads,
             direct_reads_stale=reads.stale,
             direct_read_seconds=reads.seconds,
@@ -95,7 +95,7 @@ def test_totals_are_sent_once_each_time_they_move(loop):
     counters = actor.counters
     assert (counters.direct_reads, counters.direct_reads_stale) == (3, 1)
     assert counters.direct_read_seconds == 0.004
-    assert counts.acknowledged == WorkerTotals(3, 1, 0.004)
+    assert counts.acknowledged == ConnectorTotals(3, 1, 0.004)
     reads.loads = 4
     wait_for(lambda: actor.calls == 2, "the next move was never sent")
     assert counters.direct_reads == 4
@@ -151,7 +151,7 @@ def test_a_failed_report_is_made_good_by_the_next(loop):
     reads.loads = 2
     wait_for(lambda: actor.calls == 2, "a failed report was not sent again")
     wait_for(lambda: actor.counters.direct_reads == 2, "the second report failed")
-    assert counts.acknowledged == WorkerTotals(direct_reads=2)
+    assert counts.acknowledged == ConnectorTotals(direct_reads=2)
 
 
 def test_reports_do_not_pile_up_while_the_actor_is_slow(loop):
@@ -171,10 +171,10 @@ def test_reports_do_not_pile_up_while_the_actor_is_slow(loop):
 
 def test_an_older_total_never_takes_a_counter_back():
     counters = ActorCounters()
-    newer = WorkerTotals(5, 2, 0.010, staged_blocks=9, stage_skipped_ring_full=3)
-    counters.record_worker_totals(newer)
+    newer = ConnectorTotals(5, 2, 0.010, staged_blocks=9, stage_skipped_ring_full=3)
+    counters.record_connector_totals(newer)
     # overtaken by the newer report
-    counters.record_worker_totals(
+    counters.record_connector_totals(
         dataclasses.replace(newer, direct_reads=4, staged_blocks=8)
     )
     assert (counters.direct_reads, counters.direct_reads_stale) == (5, 2)
