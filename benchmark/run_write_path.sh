@@ -27,7 +27,7 @@ DEST=${OUT:-/tmp}
 LOGS=${LOGS:-/tmp/xavier-write-path}
 PAIRS=${PAIRS:-1}
 BUDGET_S=${BUDGET_S:-570}        # no deployment starts past BUDGET_S - its estimate
-DEPLOY_ESTIMATE_S=${DEPLOY_ESTIMATE_S:-260}  # launch, workloads, terminate
+DEPLOY_ESTIMATE_S=${DEPLOY_ESTIMATE_S:-240}  # launch, workloads, terminate
 MODEL_NAME=${MODEL_NAME:-llama-3.1-8b-shaped}
 GPU_UTIL=${GPU_UTIL:-0.38}       # two 8B engines and their tiers on one 80 GB card
 TIER=${TIER:-4GiB}
@@ -45,7 +45,7 @@ if [[ -n ${DRY_RUN:-} ]]; then   # CPU: vllm-cpu, a two-layer stand-in, 1/16 tok
   WORKLOAD=${WORKLOAD:---unique-tokens 512 --unique-requests 32 --doc-tokens 512 --seed-prefix-tokens 96 --seed-warm 200}
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 fi
-mkdir -p "$LOGS/json"
+mkdir -p "$LOGS/json" "$DEST"
 if [[ -z ${SKIP_WHEELS:-} ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target .site .whl/*.whl || exit 1
@@ -132,6 +132,8 @@ for k in $PAIRS; do
       $WORKLOAD 2>&1 | tee -a "$LOGS/summary.txt"
     xi 120 terminate --model-uid "$d" > "$LOGS/terminate-$d-$k.log" 2>&1
     note "terminated $d#$k (${SECONDS}s)"
+    # what a call cut short at its limit still brings back
+    [[ $DEST != "$LOGS" ]] && cp "$LOGS/json/$d-$k.json" "$LOGS/summary.txt" "$DEST/"
   done
 done
 stop_server
@@ -143,7 +145,7 @@ grep -h -i "Traceback\|Error" "$LOGS/local.log" | grep -v import_utils | sed 's/
 $PY benchmark/write_path.py report --off off --on on "$LOGS"/json/*.json \
   > "$LOGS/report.md" 2>&1
 if [[ $DEST != "$LOGS" ]]; then
-  tar czf "$DEST/write-path-$(date +%H%M%S).tgz" -C "$LOGS" --exclude home .
-  cp "$LOGS/report.md" "$LOGS/summary.txt" "$DEST/"
+  tar czf "$DEST/write-path-logs.tgz" -C "$LOGS" --exclude home --exclude json .
+  cp "$LOGS/report.md" "$LOGS/summary.txt" "$LOGS/engine-time.txt" "$DEST/"
 fi
 cat "$LOGS/highlights.txt" "$LOGS/report.md"
