@@ -19,6 +19,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
+from xinference.model.llm.vllm.xavier.connector.staging_ring import (  # noqa: E402
+    MAX_RING_SHARE_OF_BUDGET,
+)
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks  # noqa: E402
 
 from ..vllm_support import (  # noqa: E402
@@ -118,15 +121,15 @@ def test_a_bounded_hit_loads_in_the_lookup_pass_with_exact_outputs(replicas):
 
 
 def test_the_staging_ring_and_the_device_tier_share_the_budget(replicas):
-    """The engine's worker sizes its ring out of the replica's budget (a quarter
-    of 16 MiB here: one step's blocks would be more) and the actor's device tier
+    """The engine's worker sizes its ring out of the replica's budget (half of
+    16 MiB here: four steps' blocks would be more) and the actor's device tier
     holds the rest, so the two stay within xavier_gpu_cache_bytes."""
     from xinference.model.llm.llama_shaped import kv_bytes_per_token
     from xinference.model.llm.tiny_model import TINY_QWEN2
 
     cluster, _, _ = replicas
     block = kv_bytes_per_token(TINY_QWEN2) * BLOCK_SIZE
-    ring_blocks = DEVICE_BUDGET // 4 // block
+    ring_blocks = DEVICE_BUDGET // MAX_RING_SHARE_OF_BUDGET // block
     for rank in (0, 1):
         store = cluster.stats(rank).store
         assert store is not None

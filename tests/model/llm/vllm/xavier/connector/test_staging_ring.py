@@ -7,6 +7,7 @@ import pytest
 from xinference.model.llm.vllm.xavier.connector.staging_ring import (
     MIN_RING_BYTES,
     RING_BYTES_ENV,
+    RING_STEPS,
     ring_bytes_from_env,
     staging_ring_slots,
 )
@@ -50,11 +51,11 @@ def ring(requested=None, *, block=BLOCK_8B, step_tokens=2048, budget=16 << 30):
     return slots * block
 
 
-def test_a_ring_sized_by_itself_holds_one_steps_new_blocks():
-    # 8,192 tokens a step: 256 blocks of 4 MiB, where 64 MiB held 16 and a
-    # 2,048-token prefill waited for the actor to empty the ring.
-    assert ring(step_tokens=8192) == 256 * BLOCK_8B
-    assert ring(step_tokens=8192 + 1) == 257 * BLOCK_8B  # a partial block counts
+def test_a_ring_sized_by_itself_holds_several_steps_new_blocks():
+    # A step's blocks stay in the ring while their copies complete and the actor
+    # copies them out; holding one step skipped every other step's blocks.
+    assert ring(step_tokens=2048) == RING_STEPS * 64 * BLOCK_8B
+    assert ring(step_tokens=2048 + 1) == RING_STEPS * 65 * BLOCK_8B  # partial block
 
 
 def test_a_ring_sized_by_itself_keeps_a_floor_for_small_steps_and_models():
@@ -63,19 +64,20 @@ def test_a_ring_sized_by_itself_keeps_a_floor_for_small_steps_and_models():
     assert ring(block=block, step_tokens=16) == MIN_RING_BYTES // block * block
 
 
-def test_the_ring_takes_at_most_a_quarter_of_a_device_budget():
-    assert ring(step_tokens=16384, budget=4096 * MiB) == 1024 * MiB
-    assert ring(step_tokens=2048, budget=4096 * MiB) == 64 * BLOCK_8B  # fits
-    # a small budget keeps most of itself for the tier, the floor included
-    assert ring(block=64 * 1024, budget=16 * MiB) == 4 * MiB
+def test_the_ring_takes_at_most_half_a_device_budget():
+    # 8,192-token steps of an 8B model: 4 GiB a step's worth times RING_STEPS
+    assert ring(step_tokens=8192, budget=4096 * MiB) == 2048 * MiB
+    assert ring(step_tokens=2048, budget=4096 * MiB) == 1024 * MiB  # fits
+    # a small budget keeps half of itself for the tier, the floor included
+    assert ring(block=64 * 1024, budget=16 * MiB) == 8 * MiB
     # an explicit size is capped as well, and rounded down to whole blocks
-    assert ring(2048 * MiB, budget=4096 * MiB) == 1024 * MiB
+    assert ring(3072 * MiB, budget=4096 * MiB) == 2048 * MiB
     assert ring(5 * MiB) == BLOCK_8B
     assert ring(0) == 0
 
 
 def test_without_a_budget_the_ring_keeps_the_floor_unless_asked_for_more():
-    # nothing bounds Xavier's memory on the engine's device then: one step of an
-    # 8B model would be a 2 GiB surprise beside vLLM's share
+    # nothing bounds Xavier's memory on the engine's device then: four steps of
+    # an 8B model would be an 8 GiB surprise beside vLLM's share
     assert ring(step_tokens=16384, budget=0) == MIN_RING_BYTES
     assert ring(2048 * MiB, budget=0) == 2048 * MiB

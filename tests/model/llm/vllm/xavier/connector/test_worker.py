@@ -140,7 +140,7 @@ def make_worker(
 
 def test_the_staging_ring_comes_out_of_the_device_budget(cluster, loop):
     """The worker's ring and the actor's device tier share one device budget: a
-    ring sized by itself takes a quarter of a small one, the tier the rest."""
+    ring sized by itself takes half of a small one, the tier the rest."""
     budget = 64 * SNAPSHOT_NBYTES
     worker = make_worker(
         cluster,
@@ -152,9 +152,9 @@ def test_the_staging_ring_comes_out_of_the_device_budget(cluster, loop):
     )
     worker.register_kv_caches(engine_cache(5))
     worker.wait_mapped(60)
-    assert worker.staging_ring is not None and worker.staging_ring.num_slots == 16
+    assert worker.staging_ring is not None and worker.staging_ring.num_slots == 32
     stats = loop.run(worker._actor.stats(), 30)
-    assert stats.store.device_capacity_blocks == 64 - 16
+    assert stats.store.device_capacity_blocks == 64 - 32
 
 
 def test_concurrent_mapping_maps_once(cluster, loop):

@@ -34,9 +34,16 @@ from ..hashing import BlockHash
 # itself within one: several hundred blocks of a 0.5B model, 16 of an 8B one
 # (4 MiB each at block size 32).
 MIN_RING_BYTES = 64 * 1024**2
+# Sized by itself, the ring holds this many engine steps' new blocks: a step's
+# blocks wait in it for their copies to complete (checked at the next step), for
+# the actor's copy into the store, and for the answer to be seen at a later step.
+# Holding one step, as it did while the engine waited for free slots, skipped
+# every other step's blocks once it no longer waited (an 8B model on an H100,
+# 2,048-token steps: 60% of the blocks of unique 8k prompts).
+RING_STEPS = 4
 # With a device budget the ring is part of it (the transfer actor's device tier
 # gets the rest), and takes at most this share, so that small budgets keep a tier.
-MAX_RING_SHARE_OF_BUDGET = 4  # at most budget // 4
+MAX_RING_SHARE_OF_BUDGET = 2  # at most budget // 2
 RING_BYTES_ENV = "XAVIER_STAGING_RING_BYTES"
 
 
@@ -65,13 +72,13 @@ def staging_ring_slots(
 
     With a device budget (``device_budget_bytes`` > 0) the ring comes out of it
     and takes at most a ``MAX_RING_SHARE_OF_BUDGET``-th of it, an explicit
-    request included; unless ``requested``, it holds one engine step's new
-    blocks (``step_tokens``, vLLM's ``max_num_batched_tokens``, at
-    ``block_size`` tokens a block) and at least ``MIN_RING_BYTES``. A prefill
-    whose new blocks do not fit waits in ``wait_for_save`` until the actor has
-    emptied the ring, which costs an 8B model's 2,048-token prefill 5-6 ms with
-    16 slots on an H100. Without a budget nothing bounds Xavier's memory on the
-    engine's device, so the ring stays at ``MIN_RING_BYTES`` unless requested.
+    request included; unless ``requested``, it holds ``RING_STEPS`` engine
+    steps' new blocks (``step_tokens``, vLLM's ``max_num_batched_tokens``, at
+    ``block_size`` tokens a block) and at least ``MIN_RING_BYTES``. Blocks that
+    find no free slot are not staged (the engine never waits for the actor:
+    ``write_behind.py``). Without a budget nothing bounds Xavier's memory on
+    the engine's device, so the ring stays at ``MIN_RING_BYTES`` unless
+    requested.
     """
     if block_nbytes <= 0:
         raise ValueError(f"a block has a positive size, got {block_nbytes}")
@@ -79,7 +86,7 @@ def staging_ring_slots(
         wanted = requested
     elif device_budget_bytes > 0:
         step_blocks = -(-step_tokens // block_size)
-        wanted = max(MIN_RING_BYTES, step_blocks * block_nbytes)
+        wanted = max(MIN_RING_BYTES, RING_STEPS * step_blocks * block_nbytes)
     else:
         wanted = MIN_RING_BYTES
     if device_budget_bytes > 0:
