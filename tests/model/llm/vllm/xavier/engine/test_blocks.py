@@ -395,17 +395,26 @@ def test_gather_snapshots_and_copy_to_rows_read_each_layer_of_each_block(
     assert torch.equal(cache.gather_snapshots(long(blocks)).cpu(), want)
 
     row_nbytes = cache.layout.layer_block_nbytes
-    # Scattered slots (an index copy), then consecutive ones (a slice copy).
+    # Scattered slots (an index copy), then consecutive ones (a slice copy, or
+    # on the cache's device through the piece span, a gather into the rows); ids
+    # as a tensor, or as the staging ring's list.
     for slots in ([6, 0, 3, 1], [2, 3, 4, 5]):
-        rows = torch.zeros((8 * num_layers, row_nbytes), dtype=torch.uint8)
-        first_rows = [slot * num_layers for slot in slots]
-        cache.copy_blocks_to_rows(long(blocks), rows, first_rows)
-        expected = torch.zeros_like(rows)
-        for i, first in enumerate(first_rows):
-            expected[first : first + num_layers] = want[
-                i * num_layers : (i + 1) * num_layers
-            ]
-        assert torch.equal(rows, expected), slots
+        for rows_device in ("cpu", device):
+            for listed in (False, True):
+                rows = torch.zeros(
+                    (8 * num_layers, row_nbytes), dtype=torch.uint8, device=rows_device
+                )
+                first_rows = [slot * num_layers for slot in slots]
+                if listed:
+                    cache.copy_listed_blocks_to_rows(blocks, rows, first_rows)
+                else:
+                    cache.copy_blocks_to_rows(long(blocks), rows, first_rows)
+                expected = torch.zeros_like(rows, device="cpu")
+                for i, first in enumerate(first_rows):
+                    expected[first : first + num_layers] = want[
+                        i * num_layers : (i + 1) * num_layers
+                    ]
+                assert torch.equal(rows.cpu(), expected), (slots, rows_device, listed)
 
 
 def test_scatter_rows_refuses_missing_or_repeated_destinations() -> None:

@@ -134,10 +134,8 @@ class StagingRing:
         slots = [self._free.pop() for _ in block_ids]
         if not slots:
             return slots
-        self._cache.copy_blocks_to_rows(
-            torch.tensor(list(block_ids), dtype=torch.long),
-            self.rows,
-            [slot * self.num_layers for slot in slots],
+        self._cache.copy_listed_blocks_to_rows(
+            block_ids, self.rows, [slot * self.num_layers for slot in slots]
         )
         return slots
 

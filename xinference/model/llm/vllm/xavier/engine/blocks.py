@@ -197,17 +197,8 @@ class BlockMajorCache:
         case) through the piece span, one gather straight into them: no
         temporary as large as the copy on the engine's device, outside vLLM's
         memory budget, and half the bytes moved."""
-        if (
-            self._span is not None
-            and rows.device == self.device
-            and rows.is_contiguous()
-            and consecutive_snapshots(first_rows, self.num_layers)
-        ):
-            first = first_rows[0] if first_rows else 0
-            count = len(first_rows) * self.num_layers
-            self._span.gather_into(
-                self._check_index(block_ids), rows[first : first + count]
-            )
+        if self._gathers_into(rows, first_rows):
+            self._gather_into(self._check_index(block_ids), rows, first_rows)
             return
         snapshots = self.gather_snapshots(block_ids).to(rows.device)
         # The staging ring's slots usually follow each other: then one slice copy.
@@ -217,6 +208,37 @@ class BlockMajorCache:
             wide_view(snapshots, wide_view(rows).dtype),
             self.num_layers,
         )
+
+    def copy_listed_blocks_to_rows(
+        self, block_ids: Sequence[int], rows: torch.Tensor, first_rows: Sequence[int]
+    ) -> None:
+        """``copy_blocks_to_rows`` for ids given as a list (the staging ring's,
+        on the engine's thread at every step that fills blocks): checked as a
+        list and, on a GPU, put on the device through a pinned buffer kept for
+        it, with no tensor made and read back on the host first."""
+        ids = [int(b) for b in block_ids]
+        if self._gathers_into(rows, first_rows):
+            self._check_ids(ids, unique=False)
+            self._gather_into(self._stage_ids(ids), rows, first_rows)
+            return
+        self.copy_blocks_to_rows(torch.tensor(ids, dtype=torch.long), rows, first_rows)
+
+    def _gathers_into(self, rows: torch.Tensor, first_rows: Sequence[int]) -> bool:
+        """Whether ``rows`` at ``first_rows`` take one gather straight into them."""
+        return (
+            self._span is not None
+            and rows.device == self.device
+            and rows.is_contiguous()
+            and consecutive_snapshots(first_rows, self.num_layers)
+        )
+
+    def _gather_into(
+        self, index: torch.Tensor, rows: torch.Tensor, first_rows: Sequence[int]
+    ) -> None:
+        assert self._span is not None
+        first = first_rows[0] if first_rows else 0
+        count = len(first_rows) * self.num_layers
+        self._span.gather_into(index, rows[first : first + count])
 
     def scatter(self, layer: int, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` ``(n, R)`` uint8 into blocks ``block_ids`` of ``layer``.
