@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
+from xinference.model.llm.vllm.xavier.connector import scheduler
 from xinference.model.llm.vllm.xavier.connector.scheduler import (
     ScheduledRequest,
     SchedulerSettings,
@@ -77,6 +78,13 @@ class Holder:
 
     async def release(self, hit: PrefixHit, lease_id: str) -> None:
         self.released.append(lease_id)
+
+
+@pytest.fixture
+def unbatched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generated blocks staged in the step they fill, as a batch of one pass: the
+    tests of what is staged under which key, apart from when."""
+    monkeypatch.setattr(scheduler, "GENERATED_BATCH_PASSES", 1)
 
 
 @pytest.fixture
@@ -688,7 +696,7 @@ def test_a_load_the_worker_reports_failed_is_not_reported_as_a_hit(loop, tracker
 
 
 def test_generated_tokens_are_staged_under_the_chain_of_prompt_and_answer(
-    loop, tracker
+    loop, tracker, unbatched
 ):
     """Decode fills blocks of generated tokens: each is staged once, in the step
     whose forward computes its last token, under the key a later prompt holding
@@ -718,7 +726,7 @@ def test_generated_tokens_are_staged_under_the_chain_of_prompt_and_answer(
 
 
 def test_what_a_request_computed_on_loaded_blocks_is_staged_once_the_load_ended(
-    loop, tracker
+    loop, tracker, unbatched
 ):
     """The blocks computed on top of loaded ones hold KV computed from the loaded
     KV: they are staged only once the worker reported the load ended (a failed
@@ -773,7 +781,7 @@ def test_a_lookup_asks_for_the_run_from_the_first_block_the_engine_lacks(loop, t
     assert side.num_new_matched_tokens("cold", prompt, 0) == (0, False)
 
 
-def test_a_block_waits_until_vllm_hands_over_its_last_token(loop, tracker):
+def test_a_block_waits_until_vllm_hands_over_its_last_token(loop, tracker, unbatched):
     """With asynchronous scheduling vLLM computes a token before the connector
     sees its id: the block is staged at a later step, never under a key guessed
     from fewer tokens."""
@@ -789,6 +797,95 @@ def test_a_block_waits_until_vllm_hands_over_its_last_token(loop, tracker):
     assert [(s.key, s.block_id) for s in later.stage] == [
         (hash_full_blocks(tokens, BS, NS)[1], 2)
     ]
+
+
+class Decoding:
+    """One request decoding under vLLM's eyes: its prompt (1 full block and a
+    tail of 2) in the first step, then one token a step, each handed over the
+    step after it was sampled, with a new block allocated as it is needed."""
+
+    def __init__(self, side: SchedulerSide, req_id: str, first_block: int) -> None:
+        self.side, self.req_id = side, req_id
+        self.prompt = list(range(500 + first_block, 506 + first_block))
+        self.tokens = list(self.prompt)  # vLLM's live view
+        self.next_block = first_block + 2
+        side.num_new_matched_tokens(req_id, self.prompt, 0, all_token_ids=self.tokens)
+        self.computed = 0
+
+    def prefill(self) -> ScheduledRequest:
+        table = [self.next_block - 2, self.next_block - 1]
+        self.computed = len(self.prompt)
+        return ScheduledRequest(self.req_id, 0, len(self.prompt), table, True)
+
+    def step(self) -> ScheduledRequest:
+        self.tokens.append(1000 + len(self.tokens))  # sampled by the last forward
+        new = []
+        if self.computed % BS == 0:  # its token starts a block
+            new, self.next_block = [self.next_block], self.next_block + 1
+        item = ScheduledRequest(self.req_id, self.computed, 1, new)
+        self.computed += 1
+        return item
+
+    def key(self, index: int) -> BlockHash:
+        return hash_full_blocks(self.tokens, BS, NS)[index]
+
+
+def test_generated_blocks_go_in_batches_while_their_request_runs(loop, tracker):
+    """Decode fills a block of each running request every few steps; those are
+    held back and staged together every GENERATED_BATCH_PASSES steps, or at once
+    with a step that stages prompt blocks anyway, under their tokens' keys."""
+    side = make_side(loop, tracker, Holder())
+    r = Decoding(side, "r", 7)
+    first = side.build_step([r.prefill()])
+    assert [s.block_id for s in first.stage] == [7]  # prompt blocks at once
+    batch = scheduler.GENERATED_BATCH_PASSES
+    staged = [side.build_step([r.step()]).stage for _ in range(1, batch + 1)]
+    # blocks 1 and 2 filled at passes 2 and 6; held until pass `batch`
+    assert all(step == () for step in staged[:-1])
+    assert [(s.key, s.block_id) for s in staged[-1]] == [
+        (r.key(1), 8),
+        (r.key(2), 9),
+    ]
+    for _ in range(3):  # fills block 3
+        assert side.build_step([r.step()]).stage == ()
+    # a new request's prompt blocks take r's held block along at once
+    b = Decoding(side, "b", 20)
+    with_prompt = side.build_step([r.step(), b.prefill()])
+    assert [(s.key, s.block_id) for s in with_prompt.stage] == [
+        (b.key(0), 20),
+        (r.key(3), 10),
+    ]
+
+
+def test_held_blocks_of_a_request_that_ends_or_is_preempted_are_dropped(loop, tracker):
+    """Only a request scheduled in the batch's step surely still owns its blocks:
+    held blocks of one that finished are never staged, nor those of one
+    preempted (its blocks freed) while it waits; resumed in a new block table,
+    it stages them from the new one as vLLM recomputes them."""
+    side = make_side(loop, tracker, Holder())
+    r, q, p = (
+        Decoding(side, name, at) for name, at in (("r", 7), ("q", 30), ("p", 50))
+    )
+    side.build_step([r.prefill(), q.prefill(), p.prefill()])
+    steps = [side.build_step([r.step(), q.step(), p.step()]) for _ in range(2)]
+    assert all(step.stage == () for step in steps)  # each filled block 1, held
+    side.request_finished("r")
+    batch = scheduler.GENERATED_BATCH_PASSES
+    # q is preempted: only p is scheduled until and through a batch's step
+    staged = [side.build_step([p.step()]).stage for _ in range(batch)]
+    assert [(s.key, s.block_id) for step in staged for s in step] == [
+        (p.key(1), 51),
+        (p.key(2), 52),
+    ]
+    # q resumes in another table, with a local hit on block 0, recomputing
+    # positions 4-6 (its 8th token, sampled, comes next)
+    resumed = ScheduledRequest("q", BS, 3, [40, 41], whole_table=True)
+    q.computed, q.next_block = 2 * BS - 1, 42
+    staged = [side.build_step([resumed]).stage]
+    staged += [side.build_step([q.step()]).stage for _ in range(batch)]
+    got = [(s.key, s.block_id) for step in staged for s in step]
+    # block 1 from the new table, never r's (8) nor q's old one (31)
+    assert got[0] == (q.key(1), 41) and not {8, 31} & {b for _, b in got}, got
 
 
 def test_a_prompt_that_is_not_the_start_of_the_tokens_is_refused(loop, tracker):

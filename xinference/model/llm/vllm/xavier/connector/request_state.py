@@ -12,10 +12,11 @@ so the output a request reports is defined next to the fields it is made of.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..hashing import BlockHash, hash_full_blocks
+from ..wire import StageItem
 from .reservations import PendingReservation, Reservation
 
 
@@ -30,6 +31,9 @@ class RequestState:
     # tokens of block i and everything before it.
     keys: list[BlockHash]
     staged_upto: int = 0  # blocks [0, staged_upto) need no staging here
+    # full blocks of generated tokens waiting for a batched staging (scheduler.py:
+    # GENERATED_BATCH_PASSES), with the engine blocks that hold them now
+    held_back: list[StageItem] = field(default_factory=list)
     reservation: Reservation | None = None
     # asked of a holder, not answered yet (vLLM was told to ask again)
     pending: PendingReservation | None = None
