@@ -79,11 +79,6 @@ class WriteBehind:
     def ring(self) -> StagingRing | None:
         return self._ring
 
-    @property
-    def pending(self) -> int:
-        """Stagings not answered yet (handed over or not)."""
-        return len(self._stagings)
-
     def stage(self, items: Sequence[StageItem], actor: Any) -> None:
         """Copy as many of ``items`` as there are free ring slots and send them on
         when their copies complete; skip the rest. ``actor`` None: the caches are
