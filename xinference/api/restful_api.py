@@ -18,6 +18,8 @@
     GET    /v1/workers                the registered workers and their replicas
     GET    /metrics                   Prometheus text, per replica
     GET    /                          the web page (``web/``, static files under /web)
+    GET    /status                    liveness: {"ok": true} (HEAD / and HEAD /status
+                                      answer as GET, without a body)
 
 Authentication (``auth/``: /token, /v1/cluster/auth, /v1/admin/...) checks every
 route's permission in a middleware; it is off unless ``create_app`` gets an
@@ -118,7 +120,10 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
     install_error_handlers(app)
     add_serving_routes(app, lambda body: _dispatcher(hub, body))
 
+    # HEAD answers as GET does (probes and link checkers send it), out of the
+    # OpenAPI description, where it would repeat the GET operation
     @app.get("/status")
+    @app.head("/status", include_in_schema=False)
     async def status() -> dict[str, Any]:
         return {"ok": True}
 
@@ -132,6 +137,7 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
         return list(await models.supervisor.list_workers())
 
     @app.get("/", include_in_schema=False)
+    @app.head("/", include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(WEB_DIR / "index.html")
 

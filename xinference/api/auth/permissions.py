@@ -74,6 +74,9 @@ ROUTE_PERMISSIONS: dict[tuple[str, str], str] = {
 
 
 def is_public(method: str, path: str) -> bool:
+    """Whether a route answers without a credential. HEAD is GET without the
+    body: public where GET is."""
+    method = "GET" if method == "HEAD" else method
     return (method, path) in PUBLIC_ROUTES or ("*", path) in PUBLIC_ROUTES
 
 
