@@ -23,7 +23,8 @@
 
 Authentication (``auth/``: /token, /v1/cluster/auth, /v1/admin/...) checks every
 route's permission in a middleware; it is off unless ``create_app`` gets an
-enabled ``AuthService``.
+enabled ``AuthService``. A request body over the server's limit is a 413 before
+any route reads it (``body_limit.py``; ``ServerOptions.max_request_bytes``).
 
 The app talks to the supervisor for management and to the replicas (through
 ``ReplicaDispatcher``) for serving (``serving.py``: the OpenAI routes and their
@@ -51,8 +52,10 @@ from ..core.messages import DeploymentInfo
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
 from ..core.supervisor import SupervisorActor
 from .auth import AuthMiddleware, AuthService, auth_router
+from .body_limit import BodyLimit
 from .errors import InvalidRequest, install_error_handlers
 from .schemas import LaunchRequest, PrefixRequest
+from .server_options import ServerOptions
 from .serving import add_serving_routes
 
 logger = logging.getLogger(__name__)
@@ -99,13 +102,21 @@ class ModelHub:
         self._dispatchers.pop(model_uid, None)
 
 
-def create_app(supervisor_address: str, auth: AuthService | None = None) -> FastAPI:
+def create_app(
+    supervisor_address: str,
+    auth: AuthService | None = None,
+    options: ServerOptions | None = None,
+) -> FastAPI:
     """The FastAPI app for the supervisor at ``supervisor_address`` (open unless
-    ``auth`` is an enabled service)."""
+    ``auth`` is an enabled service; ``options``: the operator's, else defaults)."""
+    options = options or ServerOptions()
     app = FastAPI(title="Xinference", version="0.1.0")
     # ---- authentication (auth/): every route, including those below ---------------
     auth = auth or AuthService.disabled()
     app.add_middleware(AuthMiddleware, service=auth)
+    # Outside the authentication check (a middleware added later wraps the ones
+    # before it): no body beyond the limit is read, whoever sends it.
+    app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes)
     app.include_router(auth_router(auth))
     hub_cell: list[ModelHub] = []
 
