@@ -8,9 +8,11 @@ client silently sends the failed request again. ``JsonErrors`` catches such an
 exception inside that middleware, logs it once, and answers a JSON 500 on the same
 connection.
 
-Status codes: 400 for a request the user can fix (``InvalidRequest``, a bad launch
-option), 404 for an unknown model, 409 for a launch cancelled while it was awaited,
-503 (with Retry-After) when no replica can serve, 500 for anything else.
+Status codes: 400 for a request the user can fix (``InvalidRequest``, a prompt the
+tokenizer cannot take or the context cannot hold, a bad launch option), 404 for an
+unknown model, 409 for a launch cancelled while it was awaited, 413 for a body over
+the server's limit (``body_limit.py``), 503 (with Retry-After) when no replica can
+serve, 500 for anything else.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse
 from ..core.dispatch import ReplicaUnavailable
 from ..core.messages import ServiceUnavailable
 from ..core.options import LaunchOptionError
+from ..core.prompting import PromptRefused
 from ..core.supervisor import LaunchCancelled
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid_request(_: Request, error: InvalidRequest) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(error), "invalid_request_error", error.param),
+            status_code=400,
+        )
+
+    @app.exception_handler(PromptRefused)
+    async def _bad_prompt(_: Request, error: PromptRefused) -> JSONResponse:
         return JSONResponse(
             error_body(str(error), "invalid_request_error", error.param),
             status_code=400,

@@ -233,12 +233,16 @@ def create_app(
         """Which replica holds the longest published prefix of a prompt (Xavier's
         block tracker, as the cache-aware router sees it)."""
         dispatcher = await (await hub()).get(model_uid)
+        # No prompt that cannot fit is looked up: it could never have been served.
+        context = dispatcher.deployment.max_model_len
         if body.messages is not None:
             messages = [message.plain() for message in body.messages]
-            token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
+            token_ids = await asyncio.to_thread(
+                dispatcher.renderer.chat_ids, messages, context
+            )
         else:
             token_ids = await asyncio.to_thread(
-                dispatcher.renderer.completion_ids, body.prompt or ""
+                dispatcher.renderer.completion_ids, body.prompt or "", context
             )
         holder, blocks = await dispatcher.longest_prefix(token_ids)
         return {

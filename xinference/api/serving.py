@@ -1,7 +1,8 @@
 """The OpenAI-compatible serving routes: ``/v1/completions`` and ``/v1/chat/completions``.
 
-A request is tokenised here, checked against the model's limits (``limits.py``: a
-400 naming the limit), given the model's default sampling parameters where it set
+A request is tokenised here (in a worker thread; a text the tokenizer cannot take,
+or too long to fit, is a 400 before it is tokenised: ``core/prompting.py``),
+checked against the model's limits (``limits.py``: a 400 naming the limit), given the model's default sampling parameters where it set
 none (``core/sampling.py``), routed, and relayed, streamed (SSE) or whole. A
 streamed request's first chunk is awaited before the 200 goes out, so whatever a
 replica refuses before producing anything is still an HTTP error, not an error
@@ -69,9 +70,13 @@ def add_serving_routes(
         dispatcher = await dispatcher_for(body)
         renderer = dispatcher.renderer
         jobs = []
+        context = dispatcher.deployment.max_model_len
         for index, prompt in enumerate(body.prompts()):
-            # Tokenising a long prompt takes a while: not on the event loop.
-            token_ids = await asyncio.to_thread(renderer.completion_ids, prompt)
+            # Tokenising a long prompt takes a while: not on the event loop, and
+            # refused unread when it cannot fit the context (``core/prompting.py``).
+            token_ids = await asyncio.to_thread(
+                renderer.completion_ids, prompt, context
+            )
             request = _generation_request(
                 dispatcher, "cmpl", token_ids, body, body.max_tokens, "max_tokens"
             )
@@ -114,7 +119,9 @@ def add_serving_routes(
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         dispatcher = await dispatcher_for(body)
         messages = [message.plain() for message in body.messages]
-        token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
+        token_ids = await asyncio.to_thread(
+            dispatcher.renderer.chat_ids, messages, dispatcher.deployment.max_model_len
+        )
         budget_param = (
             "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
