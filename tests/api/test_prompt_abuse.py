@@ -146,6 +146,23 @@ async def test_a_lone_surrogate_is_a_400_naming_it(http, path, body, param):
     assert "lone surrogate (U+D800) at character 1" in error["message"]
 
 
+async def test_a_lone_surrogate_in_a_stop_string_is_a_400_naming_it(http):
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1, "stop": ["ok", SURROGATE]}
+    response = await post_escaped(http, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stop[1]"
+
+
+async def test_an_error_quoting_a_lone_surrogate_is_still_an_error(http):
+    """FastAPI's 422 echoes the input it refused: with a lone surrogate in it,
+    rendering the 422 as UTF-8 failed, and the client got a 500."""
+    login = {"username": SURROGATE, "password": "p"}  # a length-checked field
+    response = await post_escaped(http, "/token", login)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", "username"]
+    assert response.content.isascii()
+
+
 async def test_a_huge_prompt_is_a_fast_400_and_a_chat_beside_it_is_not_held_up(http):
     chat = {
         "model": "m",

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
 from ..model.llm.vllm.xavier.config import format_size, parse_size
-from .errors import error_body
+from .errors import ErrorResponse, error_body
 
 # Enough for a prompt of several million characters (a context of a million
 # tokens is about four million characters of English), JSON-escaped; ``xinference-
@@ -77,7 +75,7 @@ class BodyLimit:
             f"bytes ({format_size(self.max_bytes)}; the server option {OPTION} "
             "sets it)"
         )
-        response = JSONResponse(
+        response = ErrorResponse(
             error_body(message, "invalid_request_error"), status_code=413
         )
         await response(scope, receive, send)

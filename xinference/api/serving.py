@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.dispatch import ReplicaDispatcher
 from ..core.messages import GenerationChunk, GenerationRequest
+from ..core.prompting import check_text
 from ..core.sampling import resolve
 from .errors import InvalidRequest, error_message
 from .limits import ModelLimits
@@ -195,6 +196,10 @@ def _generation_request(
         prompt_param=prompt_param,
         max_tokens_param=max_tokens_param,
     )
+    stop = body.stop_list()
+    for index, text in enumerate(stop):
+        # the replica's engine could not encode it either, and would fail late
+        check_text(text, "stop" if isinstance(body.stop, str) else f"stop[{index}]")
     sampling = resolve(body.sampling(), dispatcher.sampling_defaults)
     return GenerationRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
@@ -206,7 +211,7 @@ def _generation_request(
         min_p=float(sampling["min_p"]),
         repetition_penalty=float(sampling["repetition_penalty"]),
         seed=body.seed,
-        stop=body.stop_list(),
+        stop=stop,
         ignore_eos=body.ignore_eos,
     )
 

@@ -119,7 +119,7 @@ class PromptRenderer:
         # or trim them); a bad character is named by its message.
         self._refuse_if_too_long(text, context, param)
         for index, message in enumerate(plain):
-            _check_text(message["content"], f"{param}[{index}].content")
+            check_text(message["content"], f"{param}[{index}].content")
         return self._encode(text, context, param, add_special_tokens=not templated)
 
     def _render(self, messages: list[dict[str, Any]], param: str) -> str:
@@ -153,7 +153,7 @@ class PromptRenderer:
         self, text: str, context: int | None, param: str, *, add_special_tokens: bool
     ) -> list[int]:
         self._refuse_if_too_long(text, context, param)
-        _check_text(text, param)
+        check_text(text, param)
         with self._pool.borrowed() as tokenizer:
             try:
                 return list(
@@ -203,7 +203,7 @@ class _TokenizerPool:
                 self._changed.notify()
 
 
-def _check_text(text: str, param: str) -> None:
+def check_text(text: str, param: str) -> None:
     """Refuse a text the tokenizer cannot take: one that is not valid Unicode (a
     lone surrogate, which JSON's \\u escapes can carry) cannot be encoded to UTF-8."""
     if text.isascii():
