@@ -153,13 +153,15 @@ class SchedulerSide:
         num_computed_tokens: int,
         allow_remote: bool = True,
         all_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[int | None, bool]:
         """Tokens a peer can supply beyond ``num_computed_tokens``, and whether async.
 
         ``all_token_ids`` is the request's live token sequence (the prompt, then
         every generated token as vLLM appends it); with it, blocks of generated
         tokens are staged too. It is read, never modified, and only up to the
-        tokens whose KV a step computed.
+        tokens whose KV a step computed. ``cache_salt`` is vLLM's per-request
+        salt: the request's keys are salted as vLLM salts its own (``hashing``).
 
         vLLM may ask again for the same request (when it could not schedule it): a
         standing reservation that still fits is reused, otherwise it is released
@@ -171,7 +173,7 @@ class SchedulerSide:
         False)`` means a holder was asked and has not answered within
         ``reply_wait_s``: vLLM skips the request for this pass and asks again.
         """
-        state = self._state_for(req_id, prompt_token_ids, all_token_ids)
+        state = self._state_for(req_id, prompt_token_ids, all_token_ids, cache_salt)
         block_size = self._settings.block_size
         local_blocks = num_computed_tokens // block_size
         # Only the prompt minus its last token can be supplied.
@@ -496,6 +498,7 @@ class SchedulerSide:
                     state.tokens[: full * block_size],
                     block_size,
                     self._settings.namespace,
+                    state.cache_salt,
                 )
             first, state.staged_upto = state.staged_upto, max(state.staged_upto, full)
             if state.loaded_into or item.req_id in not_started:
@@ -553,6 +556,7 @@ class SchedulerSide:
         req_id: str,
         prompt_token_ids: Sequence[int],
         all_token_ids: Sequence[int] | None,
+        cache_salt: str | None = None,
     ) -> RequestState:
         state = self._requests.get(req_id)
         if state is None:
@@ -563,6 +567,7 @@ class SchedulerSide:
                 self._settings.block_size,
                 self._settings.namespace,
                 self._passes,
+                cache_salt,
             )
             self._requests[req_id] = state
         return state
