@@ -35,7 +35,7 @@ class StandIn:
         self.sampling_defaults = {"temperature": 0.7, "top_k": 20}
         self.requests: list[GenerationRequest] = []
 
-    async def route(self, token_ids: Any) -> Route:
+    async def route(self, token_ids: Any, cache_salt: Any = None) -> Route:
         return Route(rank=len(self.requests) % 2, holder=None, prefix_blocks=0)
 
     def _refuse(self, request: GenerationRequest) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import xoscar as xo
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -57,6 +57,7 @@ from .errors import InvalidRequest, install_error_handlers
 from .schemas import LaunchRequest, PrefixRequest
 from .server_options import ServerOptions
 from .serving import add_serving_routes
+from .tenancy import SaltPolicy, request_principal
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ def create_app(
         return hub_cell[0]
 
     install_error_handlers(app)
-    add_serving_routes(app, lambda body: _dispatcher(hub, body))
+    salts = SaltPolicy(options.kv_sharing)
+    add_serving_routes(app, lambda body: _dispatcher(hub, body), salts)
 
     # HEAD answers as GET does (probes and link checkers send it), out of the
     # OpenAPI description, where it would repeat the GET operation
@@ -229,9 +231,14 @@ def create_app(
         return [dataclasses.asdict(replica) for replica in reports]
 
     @app.post("/v1/models/{model_uid}/prefix")
-    async def prefix(model_uid: str, body: PrefixRequest) -> dict[str, Any]:
+    async def prefix(
+        model_uid: str, body: PrefixRequest, request: Request
+    ) -> dict[str, Any]:
         """Which replica holds the longest published prefix of a prompt (Xavier's
-        block tracker, as the cache-aware router sees it)."""
+        block tracker, as the cache-aware router sees it), under the salt the
+        same prompt would be served under: no caller looks up another tenant's
+        prefixes."""
+        salt = salts.salt(request_principal(request), body.cache_salt)
         dispatcher = await (await hub()).get(model_uid)
         # No prompt that cannot fit is looked up: it could never have been served.
         context = dispatcher.deployment.max_model_len
@@ -244,7 +251,7 @@ def create_app(
             token_ids = await asyncio.to_thread(
                 dispatcher.renderer.completion_ids, body.prompt or "", context
             )
-        holder, blocks = await dispatcher.longest_prefix(token_ids)
+        holder, blocks = await dispatcher.longest_prefix(token_ids, salt)
         return {
             "holder": holder,
             "prefix_blocks": blocks,

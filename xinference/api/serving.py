@@ -17,6 +17,10 @@ batch: the ranks in prompt order, comma-separated); a non-streamed one also says
 ``X-Xinference-Xavier-External-Tokens`` how many prompt tokens Xavier loaded from
 another replica, and from which in ``X-Xinference-Xavier-Holder`` (one prompt, when
 it did).
+
+Each request is served under a cache salt, the client's ``cache_salt`` or one the
+server derives from the caller (``tenancy.py``): vLLM, Xavier and the router all
+keep requests of different salts from sharing KV.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.dispatch import ReplicaDispatcher
@@ -41,6 +45,7 @@ from ..core.sampling import resolve
 from .errors import InvalidRequest, error_message
 from .limits import ModelLimits
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .tenancy import SaltPolicy, request_principal
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +66,17 @@ class _Job:
 
 
 def add_serving_routes(
-    app: FastAPI, dispatcher_for: Callable[[Any], Awaitable[ReplicaDispatcher]]
+    app: FastAPI,
+    dispatcher_for: Callable[[Any], Awaitable[ReplicaDispatcher]],
+    salts: SaltPolicy,
 ) -> None:
     """``dispatcher_for(body)``: the dispatcher of the model a request names
-    (raising ``InvalidRequest`` for parameters the server cannot honour)."""
+    (raising ``InvalidRequest`` for parameters the server cannot honour);
+    ``salts``: the cache salt each request is served under (``tenancy.py``)."""
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        salt = salts.salt(request_principal(http), body.cache_salt)
         dispatcher = await dispatcher_for(body)
         renderer = dispatcher.renderer
         jobs = []
@@ -79,7 +88,13 @@ def add_serving_routes(
                 renderer.completion_ids, prompt, context
             )
             request = _generation_request(
-                dispatcher, "cmpl", token_ids, body, body.max_tokens, "max_tokens"
+                dispatcher,
+                "cmpl",
+                token_ids,
+                body,
+                body.max_tokens,
+                "max_tokens",
+                cache_salt=salt,
             )
             jobs.append(_Job(index, request))
         request_id = jobs[0].request.request_id
@@ -117,7 +132,8 @@ def add_serving_routes(
         return JSONResponse(payload, headers=_load_headers(finals))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+        salt = salts.salt(request_principal(http), body.cache_salt)
         dispatcher = await dispatcher_for(body)
         messages = [message.plain() for message in body.messages]
         token_ids = await asyncio.to_thread(
@@ -127,7 +143,13 @@ def add_serving_routes(
             "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
         request = _generation_request(
-            dispatcher, "chatcmpl", token_ids, body, body.token_budget(), budget_param
+            dispatcher,
+            "chatcmpl",
+            token_ids,
+            body,
+            body.token_budget(),
+            budget_param,
+            cache_salt=salt,
         )
         created = int(time.time())
         first = [True]
@@ -180,8 +202,10 @@ def _generation_request(
     body: Any,
     max_tokens: int | None,
     max_tokens_param: str,
+    cache_salt: str | None = None,
 ) -> GenerationRequest:
-    """The request for one prompt, once it is known to fit the model."""
+    """The request for one prompt, once it is known to fit the model, served
+    under ``cache_salt`` (``tenancy.py``)."""
     deployment = dispatcher.deployment
     vocab = deployment.vocab_size
     limits = ModelLimits(
@@ -213,6 +237,7 @@ def _generation_request(
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,
+        cache_salt=cache_salt,
     )
 
 
@@ -222,7 +247,9 @@ async def _generate_all(
     """Each job's whole output and the rank that produced it, run concurrently."""
 
     async def one(job: _Job) -> tuple[GenerationChunk, int]:
-        route = await dispatcher.route(job.request.prompt_token_ids)
+        route = await dispatcher.route(
+            job.request.prompt_token_ids, job.request.cache_salt
+        )
         try:
             return await dispatcher.serve(route, job.request)
         except ValueError as error:  # vLLM's own request validation
@@ -250,7 +277,7 @@ async def _open(dispatcher: ReplicaDispatcher, job: _Job) -> _Opened:
     output is still an HTTP error (400 for vLLM's validation, 503 when no replica
     can serve). A replica failing before its first chunk is replaced once
     (``stream_served``)."""
-    route = await dispatcher.route(job.request.prompt_token_ids)
+    route = await dispatcher.route(job.request.prompt_token_ids, job.request.cache_salt)
     stream = dispatcher.stream_served(route, job.request)
     try:
         first = await anext(stream, None)

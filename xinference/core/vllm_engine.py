@@ -183,6 +183,10 @@ class VLLMEngine:
             ),
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt:
+            # vLLM salts the prompt's first block hash with it (its prefix cache
+            # and, through Request.cache_salt, Xavier's keys)
+            prompt["cache_salt"] = request.cache_salt
         generated = 0
         async for output in self._engine.generate(prompt, params, request.request_id):
             completion = output.outputs[0]

@@ -46,7 +46,7 @@ from .cli_auth import (
     server_auth,
 )
 from .launch_options import xavier_launch_options
-from .server_cli import options_from, server_options
+from .server_cli import server_options, server_options_from
 from .summary import summarize_xavier
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
@@ -73,9 +73,9 @@ def local(
     host: str, port: int, auth: bool | None, log_level: str, **server: Any
 ) -> None:
     """Run a supervisor, a worker and the HTTP API in this process."""
-    options = options_from(**server)
     configure_logging(log_level)
     service = server_auth(host, auth, None)
+    options = server_options_from(service, server)
     asyncio.run(_serve_local(host, port, service, options))
 
 
@@ -141,9 +141,9 @@ def supervisor(
     **server: Any,
 ) -> None:
     """Run the supervisor and the HTTP API; workers join with `xinference-worker`."""
-    options = options_from(**server)
     configure_logging(log_level)
     service = server_auth(host, auth, cluster_secret)
+    options = server_options_from(service, server)
     asyncio.run(
         _serve_supervisor(
             host, port, supervisor_port, heartbeat_timeout, service, options

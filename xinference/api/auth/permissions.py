@@ -105,6 +105,7 @@ class Principal:
     name: str  # a username, or "cluster" for the cluster's secret
     permissions: frozenset[str]
     via: str  # "token", "key" or "cluster-secret"
+    key_id: str | None = None  # the API key's public handle, when via a key
 
     def may(self, permission: str) -> bool:
         if permission == CLUSTER_JOIN:  # the pool address is for workers and admins

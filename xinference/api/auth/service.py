@@ -114,7 +114,7 @@ class AuthService:
         allowed = set(key.permissions)
         if ADMIN not in owner.permissions:
             allowed &= set(owner.permissions)
-        return Principal(owner.username, frozenset(allowed), "key")
+        return Principal(owner.username, frozenset(allowed), "key", key.key_id)
 
     def authorize(self, principal: Principal, permission: str) -> None:
         if not principal.may(permission):
