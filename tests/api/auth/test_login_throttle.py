@@ -122,3 +122,20 @@ async def test_a_right_password_clears_its_user_but_not_its_address(authed):
         for _ in range(LIMIT):
             bad = {"username": "mallory", "password": "typo"}
             assert (await elsewhere.post("/token", json=bad)).status_code == 401
+
+
+def test_names_tried_once_do_not_pile_up(monkeypatch):
+    """Guesses at ever new names (from ever new addresses) leave no entry
+    behind once their window has passed."""
+    from xinference.api.auth import throttle as module
+    from xinference.api.auth.throttle import LoginThrottle
+
+    monkeypatch.setattr(module, "SWEEP_ABOVE_KEYS", 100)
+    clock = [0.0]
+    limiter = LoginThrottle(limit=5, window_s=60.0, clock=lambda: clock[0])
+    for index in range(60):
+        limiter.admit([f"user:u{index}", f"addr:10.0.{index}.1"])
+    assert len(limiter._failures) == 120
+    clock[0] += 61.0
+    limiter.admit(["user:late", "addr:10.9.9.9"])
+    assert set(limiter._failures) == {"user:late", "addr:10.9.9.9"}

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 DEFAULT_LIMIT = 5
 DEFAULT_WINDOW_S = 60.0
+# Past this many keys, the ones whose attempts all left the window are dropped
+# (a key is otherwise pruned only when it is asked about again, and guesses at
+# ever new names would fill the table).
+SWEEP_ABOVE_KEYS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,9 @@ class LoginThrottle:
         """Count an attempt under every key and return it, or, when a key is at
         its limit, count nothing and return the seconds until one is allowed."""
         now = self._clock()
+        if len(self._failures) > SWEEP_ABOVE_KEYS:
+            for key in list(self._failures):
+                self._recent(key, now)
         wait = 0.0
         for key in keys:
             failures = self._recent(key, now)
