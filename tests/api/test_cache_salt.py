@@ -5,6 +5,7 @@ so no caller's requests share KV with another's unless the operator says so."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -131,8 +132,6 @@ async def test_without_authentication_a_salt_is_used_as_sent(replicas):
     "salt", ["", "x" * 129, "a/b", "a@b", "a\\b", "a\x00b", "a\ud800b"]
 )
 async def test_a_salt_vllm_would_refuse_is_a_400(replicas, salt):
-    import json
-
     async with client(restful_api.create_app("127.0.0.1:1")) as http:
         for path, body in [
             ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1}),
@@ -152,10 +151,21 @@ async def test_a_salt_vllm_would_refuse_is_a_400(replicas, salt):
     assert replicas.served == [] and replicas.looked_up == []
 
 
-async def authed_app(tmp_path, sharing: str) -> tuple[httpx.AsyncClient, dict]:
+@pytest.fixture
+def auth_home(tmp_path):
+    """Where the tests' authentication store lives; closed after the test."""
+    opened: list[AuthService] = []
+    yield tmp_path, opened
+    for service in opened:
+        service.close()
+
+
+async def authed_app(auth_home, sharing: str) -> tuple[httpx.AsyncClient, dict]:
     """An app with authentication on and ``--kv-sharing sharing``; the
     credentials (headers) of two users, one with two API keys."""
-    service = AuthService.open(tmp_path)
+    home, opened = auth_home
+    service = AuthService.open(home)
+    opened.append(service)
     app = restful_api.create_app(
         "127.0.0.1:1", service, ServerOptions(kv_sharing=sharing)
     )
@@ -208,8 +218,8 @@ async def authed_app(tmp_path, sharing: str) -> tuple[httpx.AsyncClient, dict]:
         ),
     ],
 )
-async def test_the_server_salts_by_the_caller(tmp_path, replicas, sharing, together):
-    http, credentials = await authed_app(tmp_path, sharing)
+async def test_the_server_salts_by_the_caller(auth_home, replicas, sharing, together):
+    http, credentials = await authed_app(auth_home, sharing)
     try:
         served = {
             name: await salts_of(http, replicas, headers=headers)
@@ -232,8 +242,8 @@ async def test_the_server_salts_by_the_caller(tmp_path, replicas, sharing, toget
     assert "shared" not in salted.values()
 
 
-async def test_with_sharing_among_all_a_salt_is_used_as_sent(tmp_path, replicas):
-    http, credentials = await authed_app(tmp_path, "all")
+async def test_with_sharing_among_all_a_salt_is_used_as_sent(auth_home, replicas):
+    http, credentials = await authed_app(auth_home, "all")
     try:
         for headers in credentials.values():
             assert await salts_of(http, replicas, headers=headers) is None
