@@ -213,10 +213,14 @@ def test_vllm_salts_the_first_block_only_and_its_request_carries_the_salt():
     from vllm.v1.request import Request
 
     assert "cache_salt" in inspect.signature(Request.__init__).parameters
+    # a text-only request as each vLLM release reads it (its multimodal fields
+    # have had several names)
     request = types.SimpleNamespace(
         cache_salt="tenant-a",
         lora_request=None,
         mm_features=[],
+        mm_positions=[],
+        mm_hashes=[],
         prompt_embeds=None,
     )
     first, _ = generate_block_hash_extra_keys(request, 0, BS, 0)
