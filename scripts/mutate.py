@@ -333,6 +333,225 @@ MUTATIONS: tuple[Mutation, ...] = (
         k="deadline",
         group="issue28",
     ),
+    # ---- issue 48: tenants and abuse ------------------------------------------
+    Mutation(
+        "login_counted_after_the_check",
+        "xinference/api/auth/service.py",
+        '        attempt = self.throttle.admit([user_key, f"addr:{client_host}"])\n'
+        "        if not isinstance(attempt, Attempt):\n"
+        "            raise Throttled(attempt)\n"
+        "        user = await asyncio.to_thread("
+        "self.store.verify_password, username, password)\n"
+        "        if user is None:\n"
+        '            raise Unauthorized("wrong username or password")\n',
+        '        keys = [user_key, f"addr:{client_host}"]\n'
+        "        probe = self.throttle.admit(keys)\n"
+        "        if not isinstance(probe, Attempt):\n"
+        "            raise Throttled(probe)\n"
+        "        self.throttle.succeeded(probe, clear=[])\n"
+        "        user = await asyncio.to_thread("
+        "self.store.verify_password, username, password)\n"
+        "        attempt = probe\n"
+        "        if user is None:\n"
+        "            self.throttle.admit(keys)\n"
+        '            raise Unauthorized("wrong username or password")\n',
+        ("tests/api/auth/test_login_throttle.py",),
+        k="burst",
+        group="issue48",
+    ),
+    Mutation(
+        "login_throttled_per_user_only",
+        "xinference/api/auth/service.py",
+        'self.throttle.admit([user_key, f"addr:{client_host}"])',
+        "self.throttle.admit([user_key])",
+        ("tests/api/auth/test_login_throttle.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "login_failures_never_leave_the_window",
+        "xinference/api/auth/throttle.py",
+        "        while failures and failures[0] <= now - self.window_s:\n",
+        "        while False:\n",
+        ("tests/api/auth/test_login_throttle.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "login_success_clears_the_address",
+        "xinference/api/auth/service.py",
+        "self.throttle.succeeded(attempt, clear=[user_key])",
+        "self.throttle.succeeded(attempt, clear=list(attempt.keys))",
+        ("tests/api/auth/test_login_throttle.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "user_manager_grants_anything",
+        "xinference/api/auth/routes.py",
+        "beyond = set(body.permissions) - set(caller.permissions)",
+        "beyond: set[str] = set()",
+        ("tests/api/auth/test_user_management.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "head_of_a_public_route_needs_a_credential",
+        "xinference/api/auth/permissions.py",
+        '    method = "GET" if method == "HEAD" else method\n'
+        "    return (method, path) in PUBLIC_ROUTES",
+        "    return (method, path) in PUBLIC_ROUTES",
+        ("tests/api/auth/test_route_permissions.py",),
+        k="head",
+        group="issue48",
+    ),
+    Mutation(
+        "no_request_size_limit",
+        "xinference/api/restful_api.py",
+        "    app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes)\n",
+        "",
+        ("tests/api/test_body_limit.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "chunked_body_not_counted",
+        "xinference/api/body_limit.py",
+        "            if size > self.max_bytes:\n",
+        "            if False:\n",
+        ("tests/api/test_body_limit.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "prompt_tokenised_whatever_its_length",
+        "xinference/core/prompting.py",
+        "self._bound: CharBound | None = chars_per_token(tokenizer)",
+        "self._bound: CharBound | None = None",
+        ("tests/core/test_prompting.py", "tests/api/test_prompt_abuse.py"),
+        group="issue48",
+    ),
+    Mutation(
+        "one_tokenizer_for_every_thread",
+        "xinference/core/prompting.py",
+        "self._size = max(size, 1)",
+        "self._size = 1",
+        ("tests/core/test_prompting.py",),
+        k="wait",
+        group="issue48",
+    ),
+    Mutation(
+        "lone_surrogate_reaches_the_tokenizer",
+        "xinference/core/prompting.py",
+        "    if text.isascii():\n        return\n",
+        "    return\n",
+        ("tests/api/test_prompt_abuse.py",),
+        k="surrogate",
+        group="issue48",
+    ),
+    Mutation(
+        "nfc_composition_not_counted",
+        "xinference/core/prompt_bounds.py",
+        "            factor = COMPOSITION_FACTOR\n",
+        "            factor = 1\n",
+        ("tests/core/test_prompt_bounds.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "error_quoting_a_surrogate_fails",
+        "xinference/api/errors.py",
+        "    @app.exception_handler(RequestValidationError)\n",
+        "    @app.exception_handler(KeyboardInterrupt)\n",
+        ("tests/api/test_prompt_abuse.py",),
+        k="quoting",
+        group="issue48",
+    ),
+    Mutation(
+        "salt_not_in_the_root",
+        f"{X}/hashing.py",
+        "    if salt:\n        seed += _prefixed(salt)\n",
+        "",
+        (f"{T}/test_hashing.py", f"{T}/connector/test_cache_salt.py"),
+        group="issue48",
+    ),
+    Mutation(
+        "salt_not_in_the_prompts_keys",
+        f"{X}/connector/request_state.py",
+        "keys = hash_full_blocks(prompt, block_size, namespace, cache_salt)",
+        "keys = hash_full_blocks(prompt, block_size, namespace)",
+        (f"{T}/connector/test_cache_salt.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "salt_not_in_the_generated_keys",
+        f"{X}/connector/scheduler.py",
+        "                    self._settings.namespace,\n"
+        "                    state.cache_salt,\n",
+        "                    self._settings.namespace,\n",
+        (f"{T}/connector/test_cache_salt.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "salt_not_read_from_vllm",
+        f"{X}/connector/vllm_facade.py",
+        "cache_salt=request.cache_salt,",
+        "cache_salt=None,",
+        (f"{T}/connector/test_cache_salt.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "salt_not_sent_to_vllm",
+        "xinference/core/vllm_engine.py",
+        '            prompt["cache_salt"] = request.cache_salt\n',
+        "            pass\n",
+        ("tests/core/test_vllm_engine_requests.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "salt_not_routed",
+        "xinference/core/dispatch.py",
+        "holder, blocks = await self._longest_prefix(prompt_token_ids, cache_salt)",
+        "holder, blocks = await self._longest_prefix(prompt_token_ids, None)",
+        ("tests/core/test_dispatch.py",),
+        k="salt",
+        group="issue48",
+    ),
+    Mutation(
+        "requests_not_salted_by_caller",
+        "xinference/api/tenancy.py",
+        "        scope = self._scope(principal)\n",
+        "        scope = None\n",
+        ("tests/api/test_cache_salt.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "bad_salt_accepted",
+        "xinference/api/tenancy.py",
+        "    bad = (\n",
+        "    bad = False and (\n",
+        ("tests/api/test_cache_salt.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "output_handler_cancelled_last",
+        "xinference/core/vllm_engine.py",
+        "            handler.cancel()\n"
+        "            await asyncio.gather(handler, return_exceptions=True)\n",
+        "            pass\n",
+        ("tests/core/test_vllm_engine_shutdown.py",),
+        group="issue48",
+    ),
+    Mutation(
+        "engine_core_killed_before_its_workers_exit",
+        "xinference/core/vllm_engine.py",
+        "engine.shutdown(timeout=ENGINE_EXIT_TIMEOUT_S)",
+        "engine.shutdown()",
+        ("tests/core/test_vllm_engine_shutdown.py",),
+        group="issue48",
+        note="with real engines: tests/api/test_tenancy_engines.py (vllm marker)",
+    ),
+    Mutation(
+        "requests_running_at_shutdown_not_aborted",
+        "xinference/core/model.py",
+        "        for task in list(self._generating):\n            task.cancel()\n",
+        "",
+        ("tests/core/test_vllm_engine_shutdown.py",),
+        group="issue48",
+    ),
     # ---- this tool's own machinery --------------------------------------------
     Mutation(
         "planted_file_never_restored",

@@ -27,15 +27,15 @@ class StandIn:
         )
         self.renderer = SimpleNamespace(
             vocab_size=1000,
-            completion_ids=lambda prompt: (
+            completion_ids=lambda prompt, context=None: (
                 [10 + len(prompt)] * 3 if isinstance(prompt, str) else list(prompt)
             ),
-            chat_ids=lambda messages: [7] * (4 * len(messages)),
+            chat_ids=lambda messages, context=None: [7] * (4 * len(messages)),
         )
         self.sampling_defaults = {"temperature": 0.7, "top_k": 20}
         self.requests: list[GenerationRequest] = []
 
-    async def route(self, token_ids: Any) -> Route:
+    async def route(self, token_ids: Any, cache_salt: Any = None) -> Route:
         return Route(rank=len(self.requests) % 2, holder=None, prefix_blocks=0)
 
     def _refuse(self, request: GenerationRequest) -> None:

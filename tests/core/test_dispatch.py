@@ -347,3 +347,19 @@ async def test_a_request_waiting_on_a_replica_declared_gone_ends_at_once(pool):
     with pytest.raises(ReplicaUnavailable, match="taken out of service.*heartbeat"):
         await asyncio.wait_for(pending, 5)
     assert dispatcher.in_flight == (0, 0)
+
+
+async def test_the_router_looks_a_prefix_up_under_the_requests_salt(pool):
+    """A prefix cached under one salt draws only requests of that salt: an
+    unsalted or differently salted prompt would miss on its holder anyway."""
+    dispatcher, tracker, _ = await make(pool, CacheAwareRouter(busy_margin=1))
+    prompt = list(range(1, 18))
+    await tracker.register_blocks(
+        1, hash_full_blocks(prompt[:-1], BLOCK, NAMESPACE, "tenant-a")
+    )
+    route = await dispatcher.route(prompt, "tenant-a")
+    assert (route.rank, route.holder, route.prefix_blocks) == (1, 1, 4)
+    for other in (None, "tenant-b"):
+        assert (await dispatcher.route(prompt, other)).holder is None
+        assert await dispatcher.longest_prefix(prompt, other) == (None, 0)
+    assert await dispatcher.longest_prefix(prompt, "tenant-a") == (1, 4)

@@ -2,11 +2,12 @@
 Qwen2.5-Instruct release (ChatML template with a default system prompt), one
 without a chat template (the fallback)."""
 
+import copy
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from xinference.core.prompting import PromptRenderer
+from xinference.core.prompting import PromptRefused, PromptRenderer
 from xinference.model.llm.tiny_model import DEFAULT_SYSTEM_PROMPT, build_tiny_qwen2
 
 pytestmark = pytest.mark.slow  # builds the models once (a few seconds each)
@@ -103,3 +104,83 @@ def test_concurrent_tokenisation_is_safe(renderer):
     with ThreadPoolExecutor(8) as pool:
         chats = list(pool.map(renderer.chat_ids, conversations))
     assert chats == [renderer.chat_ids(c) for c in conversations]
+
+
+CONTEXT = 64  # tokens: a small model context for the bound tests
+
+
+def test_a_lone_surrogate_is_refused_naming_where(renderer, untemplated):
+    with pytest.raises(
+        PromptRefused, match=r"lone surrogate \(U\+D800\) at char.* 1"
+    ) as bad:
+        renderer.completion_ids("a\ud800b")
+    assert bad.value.param == "prompt"
+    for chat in (renderer, untemplated):
+        messages = [
+            {"role": "user", "content": "fine"},
+            {"role": "user", "content": [{"type": "text", "text": "x\udfff"}]},
+        ]
+        with pytest.raises(PromptRefused, match="U\\+DFFF") as bad:
+            chat.chat_ids(messages)
+        assert bad.value.param == "messages[1].content"
+    # a surrogate pair is one character outside the BMP, and fine
+    assert renderer.completion_ids("a\U0001f600b") == renderer.completion_ids(
+        "a\ud83d\ude00b".encode("utf-16", "surrogatepass").decode("utf-16")
+    )
+
+
+def test_a_chat_template_refusal_is_the_senders(renderer):
+    """A template that refuses the messages (HF templates call raise_exception,
+    e.g. for roles that do not alternate) refuses the request, naming why."""
+    tokenizer = copy.deepcopy(renderer._tokenizer)
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    strict = PromptRenderer(tokenizer)
+    with pytest.raises(PromptRefused, match="roles must alternate") as refused:
+        strict.chat_ids([{"role": "user", "content": "hi"}])
+    assert refused.value.param == "messages"
+
+
+def lent_counter(renderer, monkeypatch) -> list[int]:
+    """How many times a tokenizer copy was lent for encoding."""
+    lent = [0]
+    borrowed = renderer._pool.borrowed
+
+    def counting():
+        lent[0] += 1
+        return borrowed()
+
+    monkeypatch.setattr(renderer._pool, "borrowed", counting)
+    return lent
+
+
+def test_a_text_that_cannot_fit_is_refused_before_encoding(renderer, monkeypatch):
+    bound = renderer.char_bound
+    assert bound is not None  # byte-level BPE after NFC, as Qwen2's
+    limit = (CONTEXT - 1) * bound.longest_token
+    lent = lent_counter(renderer, monkeypatch)
+    with pytest.raises(PromptRefused, match=f"at most {limit} characters") as long:
+        renderer.completion_ids("z" * (limit + 1), CONTEXT)
+    assert long.value.param == "prompt" and "max_model_len" in str(long.value)
+    with pytest.raises(PromptRefused, match="max_model_len"):
+        renderer.chat_ids([{"role": "user", "content": "z" * limit}], CONTEXT)
+    assert lent == [0]
+    # at the bound, the text is encoded (and then found too long by its ids,
+    # which is the serving routes' check, not this one)
+    assert len(renderer.completion_ids("z" * limit, CONTEXT)) >= 1
+    assert lent == [1]
+    # no context known: nothing is refused for its length
+    assert renderer.completion_ids("z" * (limit + 1)) and lent == [2]
+
+
+def test_a_short_prompt_does_not_wait_for_an_encode_in_progress(renderer):
+    """Each encoding thread has a tokenizer copy of its own: with one copy lent
+    (a long prompt being encoded), a short prompt is still encoded."""
+    pool = ThreadPoolExecutor(1)
+    in_progress = renderer._pool.borrowed()
+    in_progress.__enter__()
+    try:
+        short = pool.submit(renderer.completion_ids, "short")
+        assert short.result(timeout=60) == renderer.completion_ids("short")
+    finally:
+        in_progress.__exit__(None, None, None)
+        pool.shutdown()

@@ -8,22 +8,28 @@ client silently sends the failed request again. ``JsonErrors`` catches such an
 exception inside that middleware, logs it once, and answers a JSON 500 on the same
 connection.
 
-Status codes: 400 for a request the user can fix (``InvalidRequest``, a bad launch
-option), 404 for an unknown model, 409 for a launch cancelled while it was awaited,
-503 (with Retry-After) when no replica can serve, 500 for anything else.
+Status codes: 400 for a request the user can fix (``InvalidRequest``, a prompt the
+tokenizer cannot take or the context cannot hold, a bad launch option), 404 for an
+unknown model, 409 for a launch cancelled while it was awaited, 413 for a body over
+the server's limit (``body_limit.py``), 503 (with Retry-After) when no replica can
+serve, 500 for anything else.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from ..core.dispatch import ReplicaUnavailable
 from ..core.messages import ServiceUnavailable
 from ..core.options import LaunchOptionError
+from ..core.prompting import PromptRefused
 from ..core.supervisor import LaunchCancelled
 
 logger = logging.getLogger(__name__)
@@ -35,6 +41,18 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ErrorResponse(JSONResponse):
+    """An error's JSON with every non-ASCII character escaped. An error may quote
+    the request (FastAPI's 422 echoes the input; a 404 names the model asked
+    for), and a lone surrogate, valid in JSON as an escape, cannot be encoded to
+    UTF-8: the error itself would fail, as a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode(
+            "ascii"
+        )
 
 
 def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -77,7 +95,7 @@ class JsonErrors:
             if started:
                 raise
             logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
-            response = JSONResponse(
+            response = ErrorResponse(
                 error_body(error_message(error), "server_error"), status_code=500
             )
             await response(scope, receive, send)
@@ -87,26 +105,33 @@ def install_error_handlers(app: FastAPI) -> None:
     """Every error the API can raise, answered with its status and a JSON body."""
 
     @app.exception_handler(LaunchOptionError)
-    async def _bad_option(_: Request, error: LaunchOptionError) -> JSONResponse:
-        return JSONResponse(
+    async def _bad_option(_: Request, error: LaunchOptionError) -> ErrorResponse:
+        return ErrorResponse(
             error_body(str(error), "invalid_request_error"), status_code=400
         )
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid_request(_: Request, error: InvalidRequest) -> JSONResponse:
-        return JSONResponse(
+    async def _invalid_request(_: Request, error: InvalidRequest) -> ErrorResponse:
+        return ErrorResponse(
+            error_body(str(error), "invalid_request_error", error.param),
+            status_code=400,
+        )
+
+    @app.exception_handler(PromptRefused)
+    async def _bad_prompt(_: Request, error: PromptRefused) -> ErrorResponse:
+        return ErrorResponse(
             error_body(str(error), "invalid_request_error", error.param),
             status_code=400,
         )
 
     @app.exception_handler(LaunchCancelled)
-    async def _cancelled(_: Request, error: LaunchCancelled) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "conflict"), status_code=409)
+    async def _cancelled(_: Request, error: LaunchCancelled) -> ErrorResponse:
+        return ErrorResponse(error_body(str(error), "conflict"), status_code=409)
 
-    async def _unavailable(_: Request, error: Exception) -> JSONResponse:
+    async def _unavailable(_: Request, error: Exception) -> ErrorResponse:
         # A replica died under the request, or none can serve: the model's other
         # replicas (if any) keep serving, so the client may retry.
-        return JSONResponse(
+        return ErrorResponse(
             error_body(error_message(error), "server_error"),
             status_code=503,
             headers={"Retry-After": "1"},
@@ -115,9 +140,16 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceUnavailable, _unavailable)
     app.add_exception_handler(ReplicaUnavailable, _unavailable)
 
+    @app.exception_handler(RequestValidationError)
+    async def _unparsed(_: Request, error: RequestValidationError) -> ErrorResponse:
+        # FastAPI's own 422 and body, rendered so that it can quote any input
+        return ErrorResponse(
+            {"detail": jsonable_encoder(error.errors())}, status_code=422
+        )
+
     @app.exception_handler(LookupError)
-    async def _not_found(_: Request, error: LookupError) -> JSONResponse:
-        return JSONResponse(
+    async def _not_found(_: Request, error: LookupError) -> ErrorResponse:
+        return ErrorResponse(
             error_body(error_message(error), "not_found_error"), status_code=404
         )
 

@@ -18,10 +18,13 @@
     GET    /v1/workers                the registered workers and their replicas
     GET    /metrics                   Prometheus text, per replica
     GET    /                          the web page (``web/``, static files under /web)
+    GET    /status                    liveness: {"ok": true} (HEAD / and HEAD /status
+                                      answer as GET, without a body)
 
 Authentication (``auth/``: /token, /v1/cluster/auth, /v1/admin/...) checks every
 route's permission in a middleware; it is off unless ``create_app`` gets an
-enabled ``AuthService``.
+enabled ``AuthService``. A request body over the server's limit is a 413 before
+any route reads it (``body_limit.py``; ``ServerOptions.max_request_bytes``).
 
 The app talks to the supervisor for management and to the replicas (through
 ``ReplicaDispatcher``) for serving (``serving.py``: the OpenAI routes and their
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import xoscar as xo
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -49,9 +52,12 @@ from ..core.messages import DeploymentInfo
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
 from ..core.supervisor import SupervisorActor
 from .auth import AuthMiddleware, AuthService, auth_router
+from .body_limit import BodyLimit
 from .errors import InvalidRequest, install_error_handlers
 from .schemas import LaunchRequest, PrefixRequest
+from .server_options import ServerOptions
 from .serving import add_serving_routes
+from .tenancy import SaltPolicy, request_principal
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +103,21 @@ class ModelHub:
         self._dispatchers.pop(model_uid, None)
 
 
-def create_app(supervisor_address: str, auth: AuthService | None = None) -> FastAPI:
+def create_app(
+    supervisor_address: str,
+    auth: AuthService | None = None,
+    options: ServerOptions | None = None,
+) -> FastAPI:
     """The FastAPI app for the supervisor at ``supervisor_address`` (open unless
-    ``auth`` is an enabled service)."""
+    ``auth`` is an enabled service; ``options``: the operator's, else defaults)."""
+    options = options or ServerOptions()
     app = FastAPI(title="Xinference", version="0.1.0")
     # ---- authentication (auth/): every route, including those below ---------------
     auth = auth or AuthService.disabled()
     app.add_middleware(AuthMiddleware, service=auth)
+    # Outside the authentication check (a middleware added later wraps the ones
+    # before it): no body beyond the limit is read, whoever sends it.
+    app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes)
     app.include_router(auth_router(auth))
     hub_cell: list[ModelHub] = []
 
@@ -116,9 +130,13 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
         return hub_cell[0]
 
     install_error_handlers(app)
-    add_serving_routes(app, lambda body: _dispatcher(hub, body))
+    salts = SaltPolicy(options.kv_sharing)
+    add_serving_routes(app, lambda body: _dispatcher(hub, body), salts)
 
+    # HEAD answers as GET does (probes and link checkers send it), out of the
+    # OpenAPI description, where it would repeat the GET operation
     @app.get("/status")
+    @app.head("/status", include_in_schema=False)
     async def status() -> dict[str, Any]:
         return {"ok": True}
 
@@ -132,6 +150,7 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
         return list(await models.supervisor.list_workers())
 
     @app.get("/", include_in_schema=False)
+    @app.head("/", include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(WEB_DIR / "index.html")
 
@@ -212,20 +231,31 @@ def create_app(supervisor_address: str, auth: AuthService | None = None) -> Fast
         return [dataclasses.asdict(replica) for replica in reports]
 
     @app.post("/v1/models/{model_uid}/prefix")
-    async def prefix(model_uid: str, body: PrefixRequest) -> dict[str, Any]:
+    async def prefix(
+        model_uid: str, body: PrefixRequest, request: Request
+    ) -> dict[str, Any]:
         """Which replica holds the longest published prefix of a prompt (Xavier's
-        block tracker, as the cache-aware router sees it); with ``after_blocks``,
-        the longest run from that block on, as a replica that has the blocks
-        before it looks it up (``prefix_blocks`` counts those too)."""
+        block tracker, as the cache-aware router sees it), under the salt the
+        same prompt would be served under: no caller looks up another tenant's
+        prefixes. With ``after_blocks``, the longest run from that block on, as a
+        replica that has the blocks before it looks it up (``prefix_blocks``
+        counts those too)."""
+        salt = salts.salt(request_principal(request), body.cache_salt)
         dispatcher = await (await hub()).get(model_uid)
+        # No prompt that cannot fit is looked up: it could never have been served.
+        context = dispatcher.deployment.max_model_len
         if body.messages is not None:
             messages = [message.plain() for message in body.messages]
-            token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
+            token_ids = await asyncio.to_thread(
+                dispatcher.renderer.chat_ids, messages, context
+            )
         else:
             token_ids = await asyncio.to_thread(
-                dispatcher.renderer.completion_ids, body.prompt or ""
+                dispatcher.renderer.completion_ids, body.prompt or "", context
             )
-        holder, blocks = await dispatcher.longest_prefix(token_ids, body.after_blocks)
+        holder, blocks = await dispatcher.longest_prefix(
+            token_ids, salt, body.after_blocks
+        )
         return {
             "holder": holder,
             "prefix_blocks": blocks,

@@ -114,6 +114,9 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
+    # vLLM's extension: requests of different salts never share cached KV
+    # (checked as vLLM checks it, and combined with the caller: ``tenancy.py``)
+    cache_salt: str | None = None
 
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters this request set (None: left to the defaults)."""
@@ -201,3 +204,5 @@ class PrefixRequest(BaseModel):
     # Look up the run from this block on: what a replica that has the first
     # ``after_blocks`` blocks itself asks for (0: the whole prefix).
     after_blocks: int = Field(default=0, ge=0)
+    # looked up under the salt the same request would be served under
+    cache_salt: str | None = None

@@ -1,7 +1,8 @@
 """The OpenAI-compatible serving routes: ``/v1/completions`` and ``/v1/chat/completions``.
 
-A request is tokenised here, checked against the model's limits (``limits.py``: a
-400 naming the limit), given the model's default sampling parameters where it set
+A request is tokenised here (in a worker thread; a text the tokenizer cannot take,
+or too long to fit, is a 400 before it is tokenised: ``core/prompting.py``),
+checked against the model's limits (``limits.py``: a 400 naming the limit), given the model's default sampling parameters where it set
 none (``core/sampling.py``), routed, and relayed, streamed (SSE) or whole. A
 streamed request's first chunk is awaited before the 200 goes out, so whatever a
 replica refuses before producing anything is still an HTTP error, not an error
@@ -16,6 +17,10 @@ batch: the ranks in prompt order, comma-separated); a non-streamed one also says
 ``X-Xinference-Xavier-External-Tokens`` how many prompt tokens Xavier loaded from
 another replica, and from which in ``X-Xinference-Xavier-Holder`` (one prompt, when
 it did).
+
+Each request is served under a cache salt, the client's ``cache_salt`` or one the
+server derives from the caller (``tenancy.py``): vLLM, Xavier and the router all
+keep requests of different salts from sharing KV.
 """
 
 from __future__ import annotations
@@ -30,15 +35,17 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.dispatch import ReplicaDispatcher
 from ..core.messages import GenerationChunk, GenerationRequest
+from ..core.prompting import check_text
 from ..core.sampling import resolve
 from .errors import InvalidRequest, error_message
 from .limits import ModelLimits
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .tenancy import SaltPolicy, request_principal
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +66,35 @@ class _Job:
 
 
 def add_serving_routes(
-    app: FastAPI, dispatcher_for: Callable[[Any], Awaitable[ReplicaDispatcher]]
+    app: FastAPI,
+    dispatcher_for: Callable[[Any], Awaitable[ReplicaDispatcher]],
+    salts: SaltPolicy,
 ) -> None:
     """``dispatcher_for(body)``: the dispatcher of the model a request names
-    (raising ``InvalidRequest`` for parameters the server cannot honour)."""
+    (raising ``InvalidRequest`` for parameters the server cannot honour);
+    ``salts``: the cache salt each request is served under (``tenancy.py``)."""
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        salt = salts.salt(request_principal(http), body.cache_salt)
         dispatcher = await dispatcher_for(body)
         renderer = dispatcher.renderer
         jobs = []
+        context = dispatcher.deployment.max_model_len
         for index, prompt in enumerate(body.prompts()):
-            # Tokenising a long prompt takes a while: not on the event loop.
-            token_ids = await asyncio.to_thread(renderer.completion_ids, prompt)
+            # Tokenising a long prompt takes a while: not on the event loop, and
+            # refused unread when it cannot fit the context (``core/prompting.py``).
+            token_ids = await asyncio.to_thread(
+                renderer.completion_ids, prompt, context
+            )
             request = _generation_request(
-                dispatcher, "cmpl", token_ids, body, body.max_tokens, "max_tokens"
+                dispatcher,
+                "cmpl",
+                token_ids,
+                body,
+                body.max_tokens,
+                "max_tokens",
+                cache_salt=salt,
             )
             jobs.append(_Job(index, request))
         request_id = jobs[0].request.request_id
@@ -111,15 +132,24 @@ def add_serving_routes(
         return JSONResponse(payload, headers=_load_headers(finals))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+        salt = salts.salt(request_principal(http), body.cache_salt)
         dispatcher = await dispatcher_for(body)
         messages = [message.plain() for message in body.messages]
-        token_ids = await asyncio.to_thread(dispatcher.renderer.chat_ids, messages)
+        token_ids = await asyncio.to_thread(
+            dispatcher.renderer.chat_ids, messages, dispatcher.deployment.max_model_len
+        )
         budget_param = (
             "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         )
         request = _generation_request(
-            dispatcher, "chatcmpl", token_ids, body, body.token_budget(), budget_param
+            dispatcher,
+            "chatcmpl",
+            token_ids,
+            body,
+            body.token_budget(),
+            budget_param,
+            cache_salt=salt,
         )
         created = int(time.time())
         first = [True]
@@ -172,8 +202,10 @@ def _generation_request(
     body: Any,
     max_tokens: int | None,
     max_tokens_param: str,
+    cache_salt: str | None = None,
 ) -> GenerationRequest:
-    """The request for one prompt, once it is known to fit the model."""
+    """The request for one prompt, once it is known to fit the model, served
+    under ``cache_salt`` (``tenancy.py``)."""
     deployment = dispatcher.deployment
     vocab = deployment.vocab_size
     limits = ModelLimits(
@@ -188,6 +220,10 @@ def _generation_request(
         prompt_param=prompt_param,
         max_tokens_param=max_tokens_param,
     )
+    stop = body.stop_list()
+    for index, text in enumerate(stop):
+        # the replica's engine could not encode it either, and would fail late
+        check_text(text, "stop" if isinstance(body.stop, str) else f"stop[{index}]")
     sampling = resolve(body.sampling(), dispatcher.sampling_defaults)
     return GenerationRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
@@ -199,8 +235,9 @@ def _generation_request(
         min_p=float(sampling["min_p"]),
         repetition_penalty=float(sampling["repetition_penalty"]),
         seed=body.seed,
-        stop=body.stop_list(),
+        stop=stop,
         ignore_eos=body.ignore_eos,
+        cache_salt=cache_salt,
     )
 
 
@@ -210,7 +247,9 @@ async def _generate_all(
     """Each job's whole output and the rank that produced it, run concurrently."""
 
     async def one(job: _Job) -> tuple[GenerationChunk, int]:
-        route = await dispatcher.route(job.request.prompt_token_ids)
+        route = await dispatcher.route(
+            job.request.prompt_token_ids, job.request.cache_salt
+        )
         try:
             return await dispatcher.serve(route, job.request)
         except ValueError as error:  # vLLM's own request validation
@@ -238,7 +277,7 @@ async def _open(dispatcher: ReplicaDispatcher, job: _Job) -> _Opened:
     output is still an HTTP error (400 for vLLM's validation, 503 when no replica
     can serve). A replica failing before its first chunk is replaced once
     (``stream_served``)."""
-    route = await dispatcher.route(job.request.prompt_token_ids)
+    route = await dispatcher.route(job.request.prompt_token_ids, job.request.cache_salt)
     stream = dispatcher.stream_served(route, job.request)
     try:
         first = await anext(stream, None)

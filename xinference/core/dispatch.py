@@ -197,10 +197,15 @@ class ReplicaDispatcher:
     def in_flight(self) -> tuple[int, ...]:
         return tuple(self._in_flight)
 
-    async def route(self, prompt_token_ids: Sequence[int]) -> Route:
+    async def route(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> Route:
+        """A replica for a prompt served under ``cache_salt``: the cache-aware
+        router looks its prefix up under that salt, so a prefix cached for
+        another salt never draws it (it would be a miss there anyway)."""
         holder, blocks = None, 0
         if self._router.needs_prefix:
-            holder, blocks = await self._longest_prefix(prompt_token_ids)
+            holder, blocks = await self._longest_prefix(prompt_token_ids, cache_salt)
         return self._choose(holder, blocks, self.live_ranks())
 
     async def _reroute(self, failed: Exception, route: Route) -> Route | None:
@@ -339,16 +344,23 @@ class ReplicaDispatcher:
             logger.warning("could not abort stream %s: %r", request_id, error)
 
     async def longest_prefix(
-        self, prompt_token_ids: Sequence[int], after_blocks: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        after_blocks: int = 0,
     ) -> tuple[int | None, int]:
         """(replica holding the longest published prefix, its length in blocks),
-        per the block tracker; (None, 0) when nobody holds one or Xavier is off.
-        With ``after_blocks``: the replica holding the longest run from that
-        block on, and the prefix's length counting the blocks before it."""
-        return await self._longest_prefix(prompt_token_ids, after_blocks)
+        per the block tracker, for a prompt salted ``cache_salt``; (None, 0) when
+        nobody holds one or Xavier is off. With ``after_blocks``: the replica
+        holding the longest run from that block on, and the prefix's length
+        counting the blocks before it."""
+        return await self._longest_prefix(prompt_token_ids, cache_salt, after_blocks)
 
     async def _longest_prefix(
-        self, prompt_token_ids: Sequence[int], after_blocks: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        after_blocks: int = 0,
     ) -> tuple[int | None, int]:
         namespace = self.deployment.hash_namespace
         if self._tracker is None or namespace is None:
@@ -356,7 +368,10 @@ class ReplicaDispatcher:
         # As the connector does: the last prompt token is always computed, so only
         # the full blocks before it can come from a cache.
         usable = list(prompt_token_ids[: max(len(prompt_token_ids) - 1, 0)])
-        keys = hash_full_blocks(usable, self.deployment.block_size, namespace)
+        # the keys the replicas publish for this prompt under its salt
+        keys = hash_full_blocks(
+            usable, self.deployment.block_size, namespace, cache_salt
+        )
         keys = keys[after_blocks:]
         if not keys:
             return None, 0

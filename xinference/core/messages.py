@@ -171,6 +171,9 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # vLLM's per-request prefix cache salt (None: unsalted); Xavier and the
+    # router hash the prompt's blocks under it too
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # A stream nobody polled for this long lost its consumer: abort it.
 STREAM_IDLE_TIMEOUT_S = 60.0
+# At shutdown, how long the requests still running get to send vLLM their aborts.
+ABORT_WAIT_S = 5.0
 _REAP_INTERVAL_S = 5.0
 _MAP_POLL_S = 0.2
 _REPORTED_ENV = ("UCX_TLS", "UCX_MEMTYPE_CACHE", "CUDA_VISIBLE_DEVICES")
@@ -77,6 +79,9 @@ class ReplicaModelActor(xo.StatelessActor):
         self._engine: VLLMEngine | None = None
         self._load_seconds = 0.0
         self._streams: dict[str, _Stream] = {}  # request id -> its stream
+        # the calls of ``generate`` in progress (a stream has its own task)
+        self._generating: set[asyncio.Task[Any]] = set()
+        self._stopping = False  # shutdown_engine began: cancellations are its
         self._reaper: asyncio.Task[None] | None = None
         self._transfer: Any = None  # its ranks' transfer actors (TransferActorGroup)
         self._loaded = False  # the engine started once
@@ -180,12 +185,21 @@ class ReplicaModelActor(xo.StatelessActor):
         await engine.warm_up()
 
     async def shutdown_engine(self) -> None:
-        """Abort open streams and stop the engine and its processes."""
+        """Abort the requests in progress, then stop the engine and its
+        processes. The aborts reach vLLM while it runs, so that nothing waits
+        for its output when ``VLLMEngine.stop`` ends the output handler."""
+        self._stopping = True
+        running = [s.task for s in self._streams.values() if s.task is not None]
+        running += list(self._generating)
         for stream in list(self._streams.values()):
             stream.cancel()
+        for task in list(self._generating):
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=ABORT_WAIT_S)
         engine, self._engine = self._engine, None
         if engine is not None:
-            await asyncio.to_thread(engine.shutdown)
+            await engine.stop()
 
     async def close_transfer_actor(self) -> dict[str, Any] | None:
         """Drain and close the transfer actor; its final counters as plain data
@@ -257,14 +271,25 @@ class ReplicaModelActor(xo.StatelessActor):
         """The whole output of one request."""
         engine = self._require_engine()
         final: GenerationChunk | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._generating.add(task)
         self._begin(request)
         try:
             async for chunk in engine.generate(request, stream=False):
                 final = chunk
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise  # the caller's cancellation: vLLM aborted the request
+            raise ReplicaFailed(
+                self._spec.rank, "the replica was shut down while serving it"
+            ) from None
         except Exception as error:
             raise self._failure(engine, error) from None
         finally:
             self._end(final)
+            if task is not None:
+                self._generating.discard(task)
         if final is None:
             raise RuntimeError(f"request {request.request_id} produced no output")
         return final

@@ -4,13 +4,25 @@ The front end tokenises once, before it picks a replica, because the cache-aware
 router needs the prompt's block hashes; the replica then generates from token ids.
 Both Xavier-on and Xavier-off deployments take this same path, so their outputs are
 comparable token for token.
+
+Tokenising is the front end's one costly step per request, and the request's
+sender chooses its size: a text the tokenizer cannot take (a lone surrogate) is
+refused naming the problem, and one too long to fit the model's context is
+refused from its length before it is tokenised (``prompt_bounds.py``), so that
+one huge prompt costs no more than the longest that fits. Callers encode in
+worker threads (the tokenizer releases the GIL while it encodes), each on a
+tokenizer copy of its own: a short prompt never waits for a long one.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
+
+from .prompt_bounds import CharBound, chars_per_token
 
 # Used when the model ships no chat template.
 _FALLBACK_ROLE_PREFIX = "<|{role}|>\n"
@@ -18,17 +30,28 @@ _FALLBACK_TURN_END = "\n"
 # How OpenAI content parts become one string (as vLLM joins text parts for templates
 # that take string content).
 _PART_SEPARATOR = "\n"
+# Tokenizer copies at most: concurrent encodes beyond it wait for a free one.
+TOKENIZER_COPIES = 4
+
+
+class PromptRefused(ValueError):
+    """A prompt the tokenizer cannot take or the model cannot fit: the sender's
+    to fix (a 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptRenderer:
     """Wraps a Hugging Face tokenizer loaded from the model directory."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, copies: int = TOKENIZER_COPIES) -> None:
+        # Renders chat templates and answers vocabulary questions; it never
+        # encodes, so copying it is safe while copies encode.
         self._tokenizer = tokenizer
-        # Callers tokenise in worker threads. A fast tokenizer resets its padding and
-        # truncation state on every call (a mutable borrow in Rust), so concurrent
-        # calls can fail with "Already borrowed": one at a time.
-        self._lock = threading.Lock()
+        self._pool = _TokenizerPool(tokenizer, copies)
+        self._bound: CharBound | None = chars_per_token(tokenizer)
 
     @classmethod
     def load(cls, model_path: str) -> PromptRenderer:
@@ -42,42 +65,159 @@ class PromptRenderer:
         """Token ids the tokenizer knows, added tokens included."""
         return len(self._tokenizer)
 
-    def completion_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    @property
+    def char_bound(self) -> CharBound | None:
+        """Characters per token at most (None: the tokenizer may drop text)."""
+        return self._bound
+
+    def completion_ids(
+        self,
+        prompt: str | Sequence[int],
+        context: int | None = None,
+        param: str = "prompt",
+    ) -> list[int]:
+        """A completion prompt's ids; a text is refused (``PromptRefused``) when
+        the tokenizer cannot take it or when it cannot fit ``context`` tokens
+        (None or 0: unknown, not checked before encoding)."""
         if isinstance(prompt, str):
-            with self._lock:
-                return list(self._tokenizer.encode(prompt, add_special_tokens=True))
+            return self._encode(prompt, context, param, add_special_tokens=True)
         return [int(token) for token in prompt]
 
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def chat_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        context: int | None = None,
+        param: str = "messages",
+    ) -> list[int]:
         """The prompt of a conversation, ready for the assistant's turn.
 
         ``messages`` are OpenAI chat messages: ``role`` and ``content``, a string or
         a list of text parts (``{"type": "text", "text": ...}``). The model's chat
         template renders them (with its own default system prompt, if it has one);
-        without a template, role markers do.
+        without a template, role markers do. Refused as ``completion_ids`` is.
         """
         plain = [
             {"role": message["role"], "content": message_text(message.get("content"))}
             for message in messages
         ]
-        if getattr(self._tokenizer, "chat_template", None):
+        templated = bool(getattr(self._tokenizer, "chat_template", None))
+        if templated:
             # Rendered to text, then encoded as a completion prompt is: one path to
             # token ids whatever apply_chat_template returns in this transformers
             # release (a list in 4.x, a BatchEncoding in 5.x). Templates write their
             # special tokens out, so none are added.
-            with self._lock:
-                text = self._tokenizer.apply_chat_template(
-                    plain, add_generation_prompt=True, tokenize=False
+            text = self._render(plain, param)
+        else:
+            text = "".join(
+                _FALLBACK_ROLE_PREFIX.format(role=m["role"])
+                + m["content"]
+                + _FALLBACK_TURN_END
+                for m in plain
+            )
+            text += _FALLBACK_ROLE_PREFIX.format(role="assistant")
+        # The rendered text is what must fit (a template may add to the messages
+        # or trim them); a bad character is named by its message.
+        self._refuse_if_too_long(text, context, param)
+        for index, message in enumerate(plain):
+            check_text(message["content"], f"{param}[{index}].content")
+        return self._encode(text, context, param, add_special_tokens=not templated)
+
+    def _render(self, messages: list[dict[str, Any]], param: str) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return str(
+                self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
                 )
-                return list(self._tokenizer.encode(text, add_special_tokens=False))
-        text = "".join(
-            _FALLBACK_ROLE_PREFIX.format(role=m["role"])
-            + m["content"]
-            + _FALLBACK_TURN_END
-            for m in plain
-        )
-        text += _FALLBACK_ROLE_PREFIX.format(role="assistant")
-        return self.completion_ids(text)
+            )
+        except TemplateError as error:  # the template's own refusal
+            raise PromptRefused(
+                f"the model's chat template refused these messages: {error}", param
+            ) from None
+
+    def _refuse_if_too_long(self, text: str, context: int | None, param: str) -> None:
+        if context and self._bound is not None:
+            limit = self._bound.max_chars(text, context)
+            if len(text) > limit:
+                raise PromptRefused(
+                    f"the prompt is {len(text)} characters, more than can fit this "
+                    f"model's context (max_model_len) of {context} tokens: no token "
+                    f"of its tokenizer covers more than "
+                    f"{self._bound.longest_token} characters, so at most {limit} "
+                    "characters can fit",
+                    param,
+                )
+
+    def _encode(
+        self, text: str, context: int | None, param: str, *, add_special_tokens: bool
+    ) -> list[int]:
+        self._refuse_if_too_long(text, context, param)
+        check_text(text, param)
+        with self._pool.borrowed() as tokenizer:
+            try:
+                return list(
+                    tokenizer.encode(text, add_special_tokens=add_special_tokens)
+                )
+            except (TypeError, ValueError) as error:
+                # what the checks above did not foresee, still about the text
+                raise PromptRefused(
+                    f"the tokenizer cannot take this text: {error}", param
+                ) from None
+
+
+class _TokenizerPool:
+    """Copies of one tokenizer, lent one per encoding thread. A fast tokenizer
+    resets its padding and truncation state on every call (a mutable borrow in
+    Rust), so two threads encoding on one fail with "Already borrowed"; one lock
+    instead would make every prompt wait for the encodes in front of it."""
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        self._original = tokenizer
+        self._size = max(size, 1)
+        self._free: list[Any] = []
+        self._made = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def borrowed(self) -> Iterator[Any]:
+        with self._changed:
+            while not self._free and self._made >= self._size:
+                self._changed.wait()
+            tokenizer = self._free.pop() if self._free else None
+            if tokenizer is None:
+                self._made += 1
+        if tokenizer is None:
+            try:
+                tokenizer = copy.deepcopy(self._original)
+            except BaseException:
+                with self._changed:
+                    self._made -= 1
+                    self._changed.notify()
+                raise
+        try:
+            yield tokenizer
+        finally:
+            with self._changed:
+                self._free.append(tokenizer)
+                self._changed.notify()
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse a text the tokenizer cannot take: one that is not valid Unicode (a
+    lone surrogate, which JSON's \\u escapes can carry) cannot be encoded to UTF-8."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = text[error.start]
+        raise PromptRefused(
+            f"{param} is not valid Unicode text: a lone surrogate "
+            f"(U+{ord(bad):04X}) at character {error.start}; send each character "
+            "outside the Basic Multilingual Plane as a surrogate pair, or as itself",
+            param,
+        ) from None
 
 
 def message_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:

@@ -4,11 +4,28 @@ The only serving-layer module that imports vLLM, and only its public entry point
 (engine arguments, ``AsyncLLM``, sampling parameters, ``KVTransferConfig``). With
 Xavier on, the engine loads the Xavier connector by module path and hands it the
 replica's frozen settings inside ``kv_connector_extra_config``.
+
+Stopping an engine (``stop``) is ordered so that vLLM sees a shutdown, not a
+crash. ``AsyncLLM.shutdown`` stops the engine-core process first and cancels its
+own output handler last; in between, the handler receives the ``EngineDeadError``
+that closing the engine's output queue leaves it, and logs it at ERROR ("AsyncLLM
+output_handler failed"). So the handler is cancelled first, on the event loop it
+runs on, once nothing waits for its output. And vLLM gives an engine-core process
+5 s to exit before it kills it, the time the engine core itself gives its worker
+processes: a worker whose exit takes longer (a CPU worker's garbage collection
+of its model at interpreter exit took 8 s here) gets its engine core killed
+before that unlinks the shared memory it shares with the worker, which Python's
+resource tracker then reports as "leaked shared_memory objects". The engine core
+is given longer than its own wait for its workers (both waits end as soon as
+the processes exit).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +51,14 @@ XAVIER_EXTRA_KEY = (
 # shorter than any block size (16 on GPU, 32 on CPU), so Xavier never stages it.
 # It also makes the first user request's latency representative.
 _WARMUP_PROMPT = tuple(range(101, 113))
+
+# How long an engine-core process may take to stop its workers and exit before
+# vLLM kills it, and how long it waits for its workers (vLLM's own setting, read
+# in the engine-core process from its environment: set unless the operator did).
+# The first must exceed the second plus the 4 s vLLM gives a worker after SIGTERM.
+ENGINE_EXIT_TIMEOUT_S = 60.0
+WORKER_EXIT_TIMEOUT_S = 45
+WORKER_EXIT_TIMEOUT_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
 def build_engine_args(spec: ReplicaSpec) -> Any:
@@ -87,6 +112,8 @@ class VLLMEngine:
         """Build the engine. Blocking (tens of seconds): run it in a thread."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # inherited by the engine-core process vLLM spawns (see ``stop``)
+        os.environ.setdefault(WORKER_EXIT_TIMEOUT_ENV, str(WORKER_EXIT_TIMEOUT_S))
         return cls(AsyncLLM.from_engine_args(build_engine_args(spec)))
 
     @property
@@ -183,6 +210,10 @@ class VLLMEngine:
             ),
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt:
+            # vLLM salts the prompt's first block hash with it (its prefix cache
+            # and, through Request.cache_salt, Xavier's keys)
+            prompt["cache_salt"] = request.cache_salt
         generated = 0
         async for output in self._engine.generate(prompt, params, request.request_id):
             completion = output.outputs[0]
@@ -209,11 +240,25 @@ class VLLMEngine:
         (vLLM's own monitor notices at once) or its output loop ended."""
         return self._engine is None or bool(self._engine.errored)
 
-    def shutdown(self) -> None:
-        """Stop the engine core and its worker processes. Blocking: use a thread.
+    async def stop(self) -> None:
+        """Stop the engine, in the order the module docstring gives: its output
+        handler first (call it once no request waits for output), then the
+        engine core and its workers (in a thread: it blocks until they exit)."""
+        engine = self._engine
+        if engine is None:
+            return
+        handler = getattr(engine, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        await asyncio.to_thread(self.shutdown)
 
-        vLLM force-kills an engine core that outlives its grace period (5 s); when
-        the process exits between that check and the kill, psutil raises
+    def shutdown(self) -> None:
+        """Stop the engine core and its worker processes. Blocking: use a thread
+        (or ``stop``, which orders it after the output handler's end).
+
+        vLLM force-kills an engine core that outlives its grace period; when the
+        process exits between that check and the kill, psutil raises
         ``NoSuchProcess`` out of ``shutdown``. The process is gone, which is what
         shutting down asked for: logged, not raised. Anything it left behind is
         reaped with the replica's sub-pool (``WorkerActor.remove_replica``).
@@ -222,7 +267,10 @@ class VLLMEngine:
         if engine is None:
             return
         try:
-            engine.shutdown()
+            if "timeout" in inspect.signature(engine.shutdown).parameters:
+                engine.shutdown(timeout=ENGINE_EXIT_TIMEOUT_S)
+            else:  # a vLLM whose shutdown takes no timeout waits its own 5 s
+                engine.shutdown()
         except psutil.NoSuchProcess as gone:
             logger.info("engine process %s exited while vLLM was killing it", gone.pid)
 

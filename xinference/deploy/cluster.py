@@ -23,6 +23,7 @@ import xoscar as xo
 
 from ..api.auth import AuthService
 from ..api.auth.settings import check_bind
+from ..api.server_options import ServerOptions
 from ..core.heartbeat import HeartbeatSettings
 from ..core.supervisor import SupervisorActor
 from ..core.worker import WorkerActor
@@ -46,10 +47,11 @@ async def start_supervisor(
     heartbeat: HeartbeatSettings | None = None,
     access_log: bool = False,
     auth: AuthService | None = None,
+    options: ServerOptions | None = None,
 ) -> SupervisorNode:
     """The supervisor's pool (on ``supervisor_port``; None or 0: any free port)
-    and the HTTP API (``port``; 0: any free port). Workers join only with
-    ``auth.cluster_secret`` when it is set."""
+    and the HTTP API (``port``; 0: any free port; ``options``: its settings).
+    Workers join only with ``auth.cluster_secret`` when it is set."""
     auth = auth or AuthService.disabled()
     check_bind(host, auth.enabled, auth.chosen)
     pool = await xo.create_actor_pool(_pool_address(host, supervisor_port), n_process=0)
@@ -63,7 +65,7 @@ async def start_supervisor(
             uid=SupervisorActor.default_uid(),
         )
         server, task, bound_port = await serve_http(
-            address, host, port, access_log, auth
+            address, host, port, access_log, auth, options
         )
     except BaseException:
         await pool.stop()

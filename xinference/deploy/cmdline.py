@@ -1,6 +1,7 @@
 """The command line, in Xinference's style.
 
-    xinference-local [--host H] [--port P] [--auth/--no-auth]   supervisor + worker + HTTP
+    xinference-local [--host H] [--port P] [--auth/--no-auth] [--max-request-bytes N]
+                                                               supervisor + worker + HTTP
     xinference-supervisor -H H -p P [--supervisor-port SP]     supervisor + HTTP server
     xinference-worker -e http://H:P -H WORKER_HOST [--worker-port WP]   one per host
     xinference launch --model-engine vllm --model-path PATH --replica 2 \\
@@ -45,6 +46,7 @@ from .cli_auth import (
     server_auth,
 )
 from .launch_options import xavier_launch_options
+from .server_cli import server_options, server_options_from
 from .summary import summarize_xavier
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9997"
@@ -60,23 +62,27 @@ PROGRESS_POLL_S = 1.0
     "--port", "-p", default=9997, show_default=True, type=int, help="0: any free port"
 )
 @auth_option
+@server_options
 @click.option(
     "--log-level",
     default="INFO",
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def local(host: str, port: int, auth: bool | None, log_level: str) -> None:
+def local(
+    host: str, port: int, auth: bool | None, log_level: str, **server: Any
+) -> None:
     """Run a supervisor, a worker and the HTTP API in this process."""
     configure_logging(log_level)
     service = server_auth(host, auth, None)
-    asyncio.run(_serve_local(host, port, service))
+    options = server_options_from(service, server)
+    asyncio.run(_serve_local(host, port, service, options))
 
 
-async def _serve_local(host: str, port: int, auth: Any) -> None:
+async def _serve_local(host: str, port: int, auth: Any, options: Any) -> None:
     from .local import start_local_cluster
 
-    cluster = await start_local_cluster(host, port, auth=auth)
+    cluster = await start_local_cluster(host, port, auth=auth, options=options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -122,6 +128,7 @@ log_level_option = click.option(
 )
 @auth_option
 @cluster_secret_option
+@server_options
 @log_level_option
 def supervisor(
     host: str,
@@ -131,12 +138,16 @@ def supervisor(
     auth: bool | None,
     cluster_secret: str | None,
     log_level: str,
+    **server: Any,
 ) -> None:
     """Run the supervisor and the HTTP API; workers join with `xinference-worker`."""
     configure_logging(log_level)
     service = server_auth(host, auth, cluster_secret)
+    options = server_options_from(service, server)
     asyncio.run(
-        _serve_supervisor(host, port, supervisor_port, heartbeat_timeout, service)
+        _serve_supervisor(
+            host, port, supervisor_port, heartbeat_timeout, service, options
+        )
     )
 
 
@@ -146,13 +157,14 @@ async def _serve_supervisor(
     supervisor_port: int,
     heartbeat_timeout: float | None,
     auth: Any,
+    options: Any,
 ) -> None:
     from ..core.heartbeat import HeartbeatSettings
     from .cluster import start_supervisor
 
     heartbeat = HeartbeatSettings.from_env(timeout_s=heartbeat_timeout)
     node = await start_supervisor(
-        host, port, supervisor_port, heartbeat=heartbeat, auth=auth
+        host, port, supervisor_port, heartbeat=heartbeat, auth=auth, options=options
     )
     stop = _stop_event()
     click.echo(

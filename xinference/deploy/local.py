@@ -22,6 +22,7 @@ import xoscar as xo
 from ..api.auth import AuthService
 from ..api.auth.settings import check_bind
 from ..api.restful_api import create_app
+from ..api.server_options import ServerOptions
 from ..core.supervisor import SupervisorActor
 from ..core.worker import WorkerActor
 
@@ -72,10 +73,12 @@ async def start_local_cluster(
     *,
     access_log: bool = False,
     auth: AuthService | None = None,
+    options: ServerOptions | None = None,
 ) -> SupervisorNode:
     """Start the pool, the actors and the HTTP server; ``port=0`` lets the OS pick
     a free port (read it back from ``endpoint``). Without ``auth`` the API is
-    open, which only a loopback ``host`` allows (``check_bind``)."""
+    open, which only a loopback ``host`` allows (``check_bind``); ``options``:
+    the REST server's (defaults without)."""
     auth = auth or AuthService.disabled()
     check_bind(host, auth.enabled, auth.chosen)
     # auto_recover off: xoscar would restart a replica's sub-pool that died and
@@ -97,7 +100,7 @@ async def start_local_cluster(
             uid=WorkerActor.default_uid(),
         )
         server, task, bound_port = await serve_http(
-            address, host, port, access_log, auth
+            address, host, port, access_log, auth, options
         )
     except BaseException:
         await pool.stop()
@@ -118,6 +121,7 @@ async def serve_http(
     port: int,
     access_log: bool,
     auth: AuthService | None = None,
+    options: ServerOptions | None = None,
 ) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     """The REST API of the supervisor at ``supervisor_address``, serving on
     ``host:port`` (0: any free port) once this returns: (server, its task, the
@@ -126,7 +130,7 @@ async def serve_http(
     check_bind(host, auth.enabled, auth.chosen)
     listener = socket.create_server((host, port))
     config = uvicorn.Config(
-        create_app(supervisor_address, auth),
+        create_app(supervisor_address, auth, options),
         log_level="warning",
         access_log=access_log,
         lifespan="off",

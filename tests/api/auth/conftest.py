@@ -20,12 +20,28 @@ ADMIN_PASSWORD = "correct horse battery"
 CLUSTER_SECRET = "cluster-secret-for-tests-0123456789"
 
 
+class ManualClock:
+    """A monotonic clock that moves only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class AuthedApp:
     app: object
     service: AuthService
     http: httpx.AsyncClient
     admin_token: str
+    clock: ManualClock
+
+    def client_from(self, host: str) -> httpx.AsyncClient:
+        """Another client of the same app, calling from ``host``."""
+        transport = httpx.ASGITransport(app=self.app, client=(host, 5555))
+        return httpx.AsyncClient(transport=transport, base_url="http://test")
 
     def bearer(self, credential: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {credential}"}
@@ -67,10 +83,11 @@ async def supervisor_address() -> AsyncIterator[str]:
 
 @pytest.fixture
 async def authed(tmp_path, supervisor_address) -> AsyncIterator[AuthedApp]:
+    clock = ManualClock()
     service = AuthService.open(
         tmp_path,
         cluster_secret=CLUSTER_SECRET,
-        throttle=LoginThrottle(limit=5, window_s=60.0),
+        throttle=LoginThrottle(limit=5, window_s=60.0, clock=clock),
     )
     app = create_app(supervisor_address, service)
     transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 5555))
@@ -79,5 +96,5 @@ async def authed(tmp_path, supervisor_address) -> AsyncIterator[AuthedApp]:
             "/v1/admin/setup", json={"username": ADMIN_USER, "password": ADMIN_PASSWORD}
         )
         assert setup.status_code == 200, setup.text
-        yield AuthedApp(app, service, http, setup.json()["access_token"])
+        yield AuthedApp(app, service, http, setup.json()["access_token"], clock)
     service.close()

@@ -100,3 +100,23 @@ async def test_malformed_or_unknown_credentials_are_401(authed, header):
     response = await authed.http.get("/v1/models", headers={"Authorization": header})
     assert response.status_code == 401, response.text
     assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("path", ["/", "/status"])
+async def test_head_of_the_page_and_the_probe_answers_as_get(
+    authed, supervisor_address, path
+):
+    """Load balancers and uptime checkers probe with HEAD: public where GET is,
+    with the status and headers of a GET, authentication on or off."""
+    import httpx
+
+    from xinference.api.restful_api import create_app
+
+    open_app = httpx.ASGITransport(app=create_app(supervisor_address))
+    async with httpx.AsyncClient(transport=open_app, base_url="http://t") as plain:
+        for http in (authed.http, plain):
+            get = await http.get(path)
+            head = await http.head(path)
+            assert get.status_code == 200
+            assert head.status_code == 200, (path, head.status_code)
+            assert head.headers["content-type"] == get.headers["content-type"]

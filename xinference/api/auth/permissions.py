@@ -74,6 +74,9 @@ ROUTE_PERMISSIONS: dict[tuple[str, str], str] = {
 
 
 def is_public(method: str, path: str) -> bool:
+    """Whether a route answers without a credential. HEAD is GET without the
+    body: public where GET is."""
+    method = "GET" if method == "HEAD" else method
     return (method, path) in PUBLIC_ROUTES or ("*", path) in PUBLIC_ROUTES
 
 
@@ -102,6 +105,7 @@ class Principal:
     name: str  # a username, or "cluster" for the cluster's secret
     permissions: frozenset[str]
     via: str  # "token", "key" or "cluster-secret"
+    key_id: str | None = None  # the API key's public handle, when via a key
 
     def may(self, permission: str) -> bool:
         if permission == CLUSTER_JOIN:  # the pool address is for workers and admins

@@ -6,7 +6,8 @@
     GET    /v1/admin/setup/status   {"auth", "needs_setup"}              public
     POST   /v1/admin/setup          the first admin (409 once one exists) public
     GET    /v1/admin/users          users:manage
-    POST   /v1/admin/users          {"username","password","permissions"}
+    POST   /v1/admin/users          {"username","password","permissions"}: only
+                                    permissions the caller holds (admin: any)
     DELETE /v1/admin/users/{name}   (revokes the user's keys too)
     GET    /v1/admin/keys           keys:manage (a user's own; every key for admin)
     POST   /v1/admin/keys           {"name","permissions"[,"owner"]} -> the key, once
@@ -110,8 +111,17 @@ def auth_router(service: AuthService) -> APIRouter:
     @router.post("/v1/admin/users")
     async def create_user(body: NewUser, request: Request) -> dict[str, object]:
         users = store()
-        if ADMIN in body.permissions and not principal(request).may(ADMIN):
-            raise HTTPException(403, "only an admin makes an admin")
+        caller = principal(request)
+        if not caller.may(ADMIN):
+            # users:manage is not a way to more rights: a manager grants only
+            # permissions they hold themselves (and never admin)
+            if ADMIN in body.permissions:
+                raise HTTPException(403, "only an admin makes an admin")
+            beyond = set(body.permissions) - set(caller.permissions)
+            if beyond:
+                raise HTTPException(
+                    403, f"you cannot grant what you lack: {sorted(beyond)}"
+                )
         try:
             user = await asyncio.to_thread(
                 users.create_user, body.username, body.password, body.permissions

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .permissions import ADMIN, CLUSTER_JOIN, Principal
 from .store import AuthStore, auth_dir, read_or_create_secret
-from .throttle import LoginThrottle
+from .throttle import Attempt, LoginThrottle
 from .tokens import DEFAULT_TTL_S, TokenInvalid, TokenSigner, looks_like_jwt
 
 TOKEN_TTL_ENV = "XINFERENCE_AUTH_TOKEN_TTL_S"
@@ -114,7 +114,7 @@ class AuthService:
         allowed = set(key.permissions)
         if ADMIN not in owner.permissions:
             allowed &= set(owner.permissions)
-        return Principal(owner.username, frozenset(allowed), "key")
+        return Principal(owner.username, frozenset(allowed), "key", key.key_id)
 
     def authorize(self, principal: Principal, permission: str) -> None:
         if not principal.may(permission):
@@ -129,13 +129,13 @@ class AuthService:
         """An access token for a right password; Unauthorized or Throttled."""
         assert self.store is not None and self.signer is not None
         assert self.throttle is not None
-        keys = [f"user:{username}", f"addr:{client_host}"]
-        wait = self.throttle.retry_after(keys)
-        if wait > 0:
-            raise Throttled(wait)
+        user_key = f"user:{username}"
+        # counted before the password is checked (``throttle.py`` says why)
+        attempt = self.throttle.admit([user_key, f"addr:{client_host}"])
+        if not isinstance(attempt, Attempt):
+            raise Throttled(attempt)
         user = await asyncio.to_thread(self.store.verify_password, username, password)
         if user is None:
-            self.throttle.failed(keys)
             raise Unauthorized("wrong username or password")
-        self.throttle.succeeded(keys)
+        self.throttle.succeeded(attempt, clear=[user_key])
         return self.signer.issue(user.username)

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import xxhash
 
 from xinference.model.llm.vllm.xavier import hashing
 from xinference.model.llm.vllm.xavier.hashing import (
@@ -82,28 +83,69 @@ def test_bad_input():
         block_hash(b"short", [1])
 
 
-# Keys of ``hash_full_blocks(GOLDEN_TOKENS, 16, GOLDEN_NAMESPACE)`` as format 1
-# defines them. Replicas of different releases share one index: a change of the
-# encoding must bump HASH_FORMAT_VERSION (and these keys), never slip in.
+# Keys of ``hash_full_blocks(GOLDEN_TOKENS, 16, GOLDEN_NAMESPACE)`` as format 2
+# defines them, unsalted and salted. Replicas of different releases share one
+# index: a change of the encoding must bump HASH_FORMAT_VERSION (and these keys),
+# never slip in. (Format 1 had no salt: a replica of that release would publish a
+# salted prompt's blocks under unsalted keys, so 2 must never meet 1's keys.)
 GOLDEN_TOKENS = [2**40, -(2**40)] + [7919 * t - 3 for t in range(70)]
 GOLDEN_NAMESPACE = "golden-model|bfloat16|16"
+GOLDEN_SALT = "tenant-7f3a"
 GOLDEN_KEYS = [
-    "e1e37778e3cc2ff2a938e245da6003e8",
-    "d09eb443f6550ca22e33a1b1fc371b8d",
-    "2186e7dbfe390d28f19fbb09af672cac",
-    "71d37f530ad96864342d5d4d95f2fb7c",
+    "5f06a4057044cb0cb77c02573adc828e",
+    "4727681156d9f935c4fd140e23390870",
+    "1e232ebc84125d7d07857f362cc85da1",
+    "1cd252eabf56cdeee0b97ac0c3316ea1",
+]
+GOLDEN_SALTED_KEYS = [
+    "dbca9e46760a7464ecc82bb7f143c1cf",
+    "437069f2b05c129630e4fbf2fcd6522c",
+    "4339432607fff3b9baff178881cc87d7",
+    "06141424f3fb36b02d0b470f003f54a1",
 ]
 
 
-def test_the_keys_of_format_1_do_not_change():
-    assert hashing.HASH_FORMAT_VERSION == 1
-    keys = hash_full_blocks(GOLDEN_TOKENS, 16, GOLDEN_NAMESPACE)
-    assert [key.hex() for key in keys] == GOLDEN_KEYS
+def _length_prefixed(text: str) -> bytes:
+    return len(text.encode()).to_bytes(4, "little") + text.encode()
+
+
+@pytest.mark.parametrize(
+    "salt, golden", [(None, GOLDEN_KEYS), (GOLDEN_SALT, GOLDEN_SALTED_KEYS)]
+)
+def test_the_keys_of_format_2_do_not_change(salt, golden):
+    assert hashing.HASH_FORMAT_VERSION == 2
+    keys = hash_full_blocks(GOLDEN_TOKENS, 16, GOLDEN_NAMESPACE, salt)
+    assert [key.hex() for key in keys] == golden
+    # the root, byte by byte: version, then namespace and salt length-prefixed
+    seed = b"xavier-block-hash/v2" + _length_prefixed(GOLDEN_NAMESPACE)
+    if salt:
+        seed += _length_prefixed(salt)
+    parent = root_hash(GOLDEN_NAMESPACE, salt)
+    assert parent == xxhash.xxh3_128_digest(seed)
     # block by block, through the public one-block hash, the same chain
-    parent = root_hash(GOLDEN_NAMESPACE)
     for index, key in enumerate(keys):
         parent = block_hash(parent, GOLDEN_TOKENS[16 * index : 16 * (index + 1)])
         assert parent == key
+
+
+def test_a_salt_changes_every_key_and_an_empty_one_is_none():
+    """As vLLM salts its own block hashes: the salt enters the first block, the
+    chain carries it; salted and unsalted prompts, or two salts, share no key."""
+    tokens = list(range(64))
+    plain = hash_full_blocks(tokens, 16, "m")
+    alice = hash_full_blocks(tokens, 16, "m", "alice")
+    bob = hash_full_blocks(tokens, 16, "m", "bob")
+    assert not set(plain) & set(alice) and not set(alice) & set(bob)
+    assert hash_full_blocks(tokens, 16, "m", "alice") == alice
+    assert hash_full_blocks(tokens, 16, "m", "") == plain
+    # a namespace and a salt are never read as another pair
+    assert root_hash("m|x", "y") != root_hash("m", "x|y")
+    assert root_hash("mx") != root_hash("m", "x")
+    # a growing salted sequence extends under its salt
+    grown: list[bytes] = []
+    extend_full_blocks(grown, tokens[:8], 16, "m", "alice")  # no full block yet
+    extend_full_blocks(grown, tokens, 16, "m", "alice")
+    assert grown == alice
 
 
 def test_extending_a_growing_sequence_equals_hashing_it_whole():

@@ -6,6 +6,13 @@ byte encoding. Each block's hash covers its parent's hash, so a key names a whol
 prefix, not just one block's tokens. The format version and a namespace (model and
 geometry) are folded into the root, so a format change or another model can never
 silently match old keys.
+
+A request's ``cache_salt`` is folded into the root too, as vLLM folds it into its
+first block's hash (``generate_block_hash_extra_keys`` adds it to block 0's extra
+keys only; the chain carries it to every later block): a salted prompt and an
+unsalted one, or two salts, share no key, so no block of one is ever found for
+the other, in a replica's store, in the tracker's index or by the router. An
+empty salt is no salt, as in vLLM (it tests the salt for truth).
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from collections.abc import Sequence
 
 import xxhash
 
-# Bump when anything about the encoding below changes.
-HASH_FORMAT_VERSION = 1
+# Bump when anything about the encoding below changes. 2: the root encodes its
+# namespace length-prefixed, then the request's cache salt (when it has one).
+HASH_FORMAT_VERSION = 2
 
 BlockHash = bytes  # 16 bytes of xxh3-128 digest
 _TOKEN_BYTES = 8  # a token id is encoded as a signed 64-bit integer
@@ -32,10 +40,20 @@ def model_namespace(model_uid: str, dtype: str, block_size: int) -> str:
     return f"{model_uid}|{dtype}|{block_size}"
 
 
-def root_hash(namespace: str) -> BlockHash:
-    """The parent of a prompt's first block: format version plus namespace."""
-    seed = f"xavier-block-hash/v{HASH_FORMAT_VERSION}/{namespace}".encode()
+def root_hash(namespace: str, salt: str | None = None) -> BlockHash:
+    """The parent of a prompt's first block: the format version, the namespace
+    and the request's cache salt. Each string is length-prefixed (4 bytes,
+    little-endian, then its UTF-8), so that no namespace and salt can be read
+    as another pair: ``a|b`` salted ``c`` never meets ``a`` salted ``b|c``."""
+    seed = f"xavier-block-hash/v{HASH_FORMAT_VERSION}".encode() + _prefixed(namespace)
+    if salt:
+        seed += _prefixed(salt)
     return xxhash.xxh3_128_digest(seed)
+
+
+def _prefixed(text: str) -> bytes:
+    encoded = text.encode("utf-8")
+    return len(encoded).to_bytes(4, "little") + encoded
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -63,11 +81,15 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, namespace: str
+    token_ids: Sequence[int],
+    block_size: int,
+    namespace: str,
+    salt: str | None = None,
 ) -> list[BlockHash]:
-    """Chained hashes of every full block of ``token_ids``; a partial tail is ignored."""
+    """Chained hashes of every full block of ``token_ids`` (a request salted with
+    ``salt``); a partial tail is ignored."""
     hashes: list[BlockHash] = []
-    extend_full_blocks(hashes, token_ids, block_size, namespace)
+    extend_full_blocks(hashes, token_ids, block_size, namespace, salt)
     return hashes
 
 
@@ -76,12 +98,15 @@ def extend_full_blocks(
     token_ids: Sequence[int],
     block_size: int,
     namespace: str,
+    salt: str | None = None,
 ) -> None:
     """Append to ``hashes`` (the chain of ``token_ids``' first ``len(hashes)`` full
     blocks) the hashes of its further full blocks.
 
     A sequence that grows (a request's generated tokens) is hashed once per block:
-    the result equals ``hash_full_blocks`` over all of ``token_ids``.
+    the result equals ``hash_full_blocks`` over all of ``token_ids``. ``salt``
+    matters only for the first block (its root); it must be the one the chain
+    was started with.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -94,7 +119,7 @@ def extend_full_blocks(
     count = (len(token_ids) - first) // block_size
     if count == 0:
         return
-    parent = hashes[-1] if hashes else root_hash(namespace)
+    parent = hashes[-1] if hashes else root_hash(namespace, salt)
     # The new blocks' tokens encoded at once, then hashed a block's bytes at a
     # time: a third less time than encoding block by block (this runs on vLLM's
     # scheduler thread for every prompt; benchmark/block_hashing.py).

@@ -157,6 +157,7 @@ def request(req_id: str = "r") -> Any:
         prompt_token_ids=list(range(100)),
         all_token_ids=list(range(100)),
         skip_reading_prefix_cache=False,
+        cache_salt=None,
     )
 
 

@@ -68,6 +68,9 @@ class RequestState:
     load_holder_address: str | None = None
     # its lease-free load found stale locations: not its holder's fault
     load_stale: bool = False
+    # vLLM's per-request cache salt (None: unsalted): the root of ``keys``, and
+    # of the generated blocks' keys when the prompt has no full block
+    cache_salt: str | None = None
 
     @classmethod
     def first_asked(
@@ -78,17 +81,25 @@ class RequestState:
         block_size: int,
         namespace: str,
         asked_at_pass: int,
+        cache_salt: str | None = None,
     ) -> RequestState:
         """The state of a request vLLM asks about for the first time: its
-        prompt's full blocks hashed once, its live token sequence kept as a view."""
+        prompt's full blocks hashed once (under its cache salt, as vLLM hashes
+        them), its live token sequence kept as a view."""
         prompt = list(prompt_token_ids)
         if all_token_ids is not None and list(all_token_ids[: len(prompt)]) != prompt:
             raise ValueError(
                 f"request {req_id}: its token sequence does not start with its prompt"
             )
-        keys = hash_full_blocks(prompt, block_size, namespace)
+        keys = hash_full_blocks(prompt, block_size, namespace, cache_salt)
         tokens = prompt if all_token_ids is None else all_token_ids
-        return cls(tokens, len(prompt), keys, asked_at_pass=asked_at_pass)
+        return cls(
+            tokens,
+            len(prompt),
+            keys,
+            asked_at_pass=asked_at_pass,
+            cache_salt=cache_salt or None,
+        )
 
     def first_failed(self, block_ids: set[int]) -> int | None:
         """The position of the first block of the planned load that is among

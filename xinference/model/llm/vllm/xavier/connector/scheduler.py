@@ -164,13 +164,15 @@ class SchedulerSide:
         num_computed_tokens: int,
         allow_remote: bool = True,
         all_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[int | None, bool]:
         """Tokens a peer can supply beyond ``num_computed_tokens``, and whether async.
 
         ``all_token_ids`` is the request's live token sequence (the prompt, then
         every generated token as vLLM appends it); with it, blocks of generated
         tokens are staged too. It is read, never modified, and only up to the
-        tokens whose KV a step computed.
+        tokens whose KV a step computed. ``cache_salt`` is vLLM's per-request
+        salt: the request's keys are salted as vLLM salts its own (``hashing``).
 
         vLLM may ask again for the same request (when it could not schedule it): a
         standing reservation that still fits is reused, otherwise it is released
@@ -182,7 +184,7 @@ class SchedulerSide:
         False)`` means a holder was asked and has not answered within
         ``reply_wait_s``: vLLM skips the request for this pass and asks again.
         """
-        state = self._state_for(req_id, prompt_token_ids, all_token_ids)
+        state = self._state_for(req_id, prompt_token_ids, all_token_ids, cache_salt)
         block_size = self._settings.block_size
         local_blocks = num_computed_tokens // block_size
         # Only the prompt minus its last token can be supplied.
@@ -526,6 +528,7 @@ class SchedulerSide:
                     state.tokens[: full * block_size],
                     block_size,
                     self._settings.namespace,
+                    state.cache_salt,
                 )
             if state.loaded_into and not state.load_ended:
                 continue  # see the docstring: staged once the load is known good
@@ -597,6 +600,7 @@ class SchedulerSide:
         req_id: str,
         prompt_token_ids: Sequence[int],
         all_token_ids: Sequence[int] | None,
+        cache_salt: str | None = None,
     ) -> RequestState:
         state = self._requests.get(req_id)
         if state is None:
@@ -607,6 +611,7 @@ class SchedulerSide:
                 self._settings.block_size,
                 self._settings.namespace,
                 self._passes,
+                cache_salt,
             )
             self._requests[req_id] = state
         return state

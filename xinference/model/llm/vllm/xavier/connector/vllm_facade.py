@@ -336,6 +336,8 @@ class XavierConnector(KVConnectorBase_V1):
                 # vLLM appends generated tokens to this view: their blocks are
                 # staged too, for the next turn of a conversation.
                 all_token_ids=request.all_token_ids,
+                # salted keys for a salted request, as vLLM's own block hashes
+                cache_salt=request.cache_salt,
             )
         except Exception as exc:
             self._faults.record("get_num_new_matched_tokens", exc)
