@@ -32,8 +32,27 @@ def test_without_cuda_ucx_picks_its_own_transports():
     for placement in plan:
         assert placement.address_scheme == "nixl"
         assert placement.gpu is None
-        assert placement.env_dict() == {}
+        assert "UCX_TLS" not in placement.env_dict()
         assert "UCX picks its transports" in placement.ucx
+
+
+def test_cpu_xavier_replicas_keep_the_cpus_vllm_keeps_without_a_connector():
+    """With a KV connector vLLM's CPU backend reserves a second CPU per rank;
+    a CPU replica with Xavier reserves one per rank, as vLLM does without one,
+    unless the user says; GPU hosts and plain replicas are left alone."""
+    for ranks in (1, 2):
+        plan = plan_replicas(
+            2, gpus=(), xavier=True, user_env={}, devices_per_replica=ranks
+        )
+        for placement in plan:
+            assert placement.env_dict()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(ranks)
+    user = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    (kept,) = plan_replicas(1, gpus=(), xavier=True, user_env=user)
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in kept.env_dict()  # inherited
+    (plain,) = plan_replicas(1, gpus=(), xavier=False, user_env={})
+    (gpu,) = plan_replicas(1, gpus=("0",), xavier=True, user_env={})
+    for placement in (plain, gpu):
+        assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in placement.env_dict()
 
 
 def test_a_user_ucx_tls_is_kept_and_reported():

@@ -32,6 +32,16 @@ SHARED_GPU_BUDGET = 0.8
 # engine it wants the CPUs named per rank ("0|1": rank 0 on CPU 0, rank 1 on CPU 1)
 # unless it finds one NUMA node per rank, which a small host has not.
 CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+# vLLM's CPU backend keeps a CPU per engine rank off its OpenMP threads for the
+# scheduler process, and with any KV connector one more per rank (meant for
+# NixlConnector's threads in disaggregated serving). On a small host that second
+# reservation leaves no CPU to keep (2 of 2), so vLLM keeps none and binds two
+# OpenMP threads per engine instead of one, spinning on both CPUs: on the 2-core
+# CPU machine two replicas with Xavier served x0.4-0.8 of what they served
+# without it, before any of Xavier's own work. Xavier's connector runs no such
+# threads in the engine (its transfers are in the transfer actor's process), so a
+# CPU replica with Xavier reserves what vLLM reserves without a connector.
+CPU_RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +163,8 @@ def plan_replicas(
             env[CPU_THREADS_BIND] = cpu_threads_bind(
                 rank, devices_per_replica, host_cpus, num_replicas
             )
+        if xavier and not cuda_host and CPU_RESERVED not in user_env:
+            env[CPU_RESERVED] = str(devices_per_replica)
         sharing = assigned.count(gpu) if gpu is not None else 1
         placements.append(
             ReplicaPlacement(
