@@ -6,7 +6,6 @@ so no caller's requests share KV with another's unless the operator says so."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -16,72 +15,17 @@ from click.testing import CliRunner
 from xinference.api import restful_api
 from xinference.api.auth import AuthService
 from xinference.api.server_options import ServerOptions
-from xinference.core.dispatch import Route
-from xinference.core.messages import GenerationChunk, GenerationRequest
 from xinference.deploy import cmdline
+
+from .stand_in import StandInReplicas, serve_with
 
 ADMIN = {"username": "root", "password": "correct horse battery"}
 
 
-class Replicas:
-    """Records the salt of every request served and every lookup routed."""
-
-    def __init__(self) -> None:
-        self.deployment = SimpleNamespace(
-            model_uid="m", max_model_len=256, vocab_size=1000, block_size=4
-        )
-        self.renderer = SimpleNamespace(
-            vocab_size=1000,
-            completion_ids=lambda prompt, context=None: [11, 12, 13],
-            chat_ids=lambda messages, context=None: [21, 22, 23],
-        )
-        self.sampling_defaults: dict[str, Any] = {}
-        self.routed: list[str | None] = []
-        self.served: list[GenerationRequest] = []
-        self.looked_up: list[str | None] = []
-
-    async def route(self, token_ids: Any, cache_salt: str | None = None) -> Route:
-        self.routed.append(cache_salt)
-        return Route(rank=0, holder=None, prefix_blocks=0)
-
-    async def serve(self, route: Route, request: GenerationRequest) -> Any:
-        self.served.append(request)
-        return _chunk(request), 0
-
-    async def stream_served(self, route: Route, request: GenerationRequest) -> Any:
-        self.served.append(request)
-        yield _chunk(request), 0
-
-    async def longest_prefix(
-        self, token_ids: Any, cache_salt: str | None = None, after_blocks: int = 0
-    ):
-        self.looked_up.append(cache_salt)
-        return None, 0
-
-
-def _chunk(request: GenerationRequest) -> GenerationChunk:
-    return GenerationChunk(
-        text="ok",
-        token_ids=(5,),
-        finish_reason="length",
-        prompt_tokens=len(request.prompt_token_ids),
-        completion_tokens=1,
-        cached_prompt_tokens=0,
-    )
-
-
 @pytest.fixture
-def replicas(monkeypatch) -> Replicas:
-    stand_in = Replicas()
-
-    async def get(self: Any, model_uid: str) -> Replicas:
-        return stand_in
-
-    async def no_supervisor(**_: Any) -> None:
-        return None
-
-    monkeypatch.setattr(restful_api.ModelHub, "get", get)
-    monkeypatch.setattr(restful_api.xo, "actor_ref", no_supervisor)
+def replicas(monkeypatch) -> StandInReplicas:
+    stand_in = StandInReplicas()
+    serve_with(monkeypatch, stand_in)
     return stand_in
 
 
@@ -90,7 +34,7 @@ def client(app: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=transport, base_url="http://t")
 
 
-async def salts_of(http: httpx.AsyncClient, replicas: Replicas, **request: Any):
+async def salts_of(http: httpx.AsyncClient, replicas: StandInReplicas, **request: Any):
     """The salt a completion, a streamed chat and a prefix lookup with
     ``request``'s headers and body fields were served and looked up under."""
     headers = request.pop("headers", {})

@@ -8,17 +8,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
 from xinference.api import restful_api
-from xinference.core.dispatch import Route
-from xinference.core.messages import GenerationChunk, GenerationRequest
 from xinference.core.prompting import PromptRenderer
 from xinference.model.llm.tiny_model import build_tiny_qwen2
+
+from .stand_in import StandInReplicas, serve_with
 
 pytestmark = pytest.mark.slow  # builds the tiny model once (a few seconds)
 
@@ -36,57 +35,10 @@ def renderer(tmp_path_factory):
     return PromptRenderer.load(str(path))
 
 
-class Replicas:
-    """A dispatcher whose replicas answer at once with one token."""
-
-    def __init__(self, renderer: PromptRenderer) -> None:
-        self.deployment = SimpleNamespace(
-            model_uid="m", max_model_len=CONTEXT, vocab_size=1000, block_size=16
-        )
-        self.renderer = renderer
-        self.sampling_defaults: dict[str, Any] = {}
-        self.served: list[GenerationRequest] = []
-
-    async def route(self, token_ids: Any, cache_salt: str | None = None) -> Route:
-        return Route(rank=0, holder=None, prefix_blocks=0)
-
-    async def serve(self, route: Route, request: GenerationRequest) -> Any:
-        self.served.append(request)
-        return _chunk(request), 0
-
-    async def stream_served(self, route: Route, request: GenerationRequest) -> Any:
-        self.served.append(request)
-        yield _chunk(request), 0
-
-    async def longest_prefix(
-        self, token_ids: Any, cache_salt: str | None = None, after_blocks: int = 0
-    ):
-        return None, 0
-
-
-def _chunk(request: GenerationRequest) -> GenerationChunk:
-    return GenerationChunk(
-        text="ok",
-        token_ids=(5,),
-        finish_reason="length",
-        prompt_tokens=len(request.prompt_token_ids),
-        completion_tokens=1,
-        cached_prompt_tokens=0,
-    )
-
-
 @pytest.fixture
 async def http(monkeypatch, renderer):
-    replicas = Replicas(renderer)
-
-    async def get(self: Any, model_uid: str) -> Replicas:
-        return replicas
-
-    async def no_supervisor(**_: Any) -> None:
-        return None
-
-    monkeypatch.setattr(restful_api.ModelHub, "get", get)
-    monkeypatch.setattr(restful_api.xo, "actor_ref", no_supervisor)
+    replicas = StandInReplicas(renderer, max_model_len=CONTEXT, block_size=16)
+    serve_with(monkeypatch, replicas)
     app = restful_api.create_app("127.0.0.1:1")
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(

@@ -15,6 +15,8 @@ from xinference.api import restful_api
 from xinference.core.dispatch import Route
 from xinference.core.messages import GenerationChunk, GenerationRequest
 
+from .stand_in import chunk, serve_with
+
 REFUSED_ID = 900  # a prompt starting with it is refused by the "engine"
 
 
@@ -45,39 +47,20 @@ class StandIn:
 
     async def serve(self, route: Route, request: GenerationRequest) -> Any:
         self._refuse(request)
-        return _chunk(request, f"<{len(request.prompt_token_ids)}>", "length"), 0
+        return chunk(request, f"<{len(request.prompt_token_ids)}>", "length"), 0
 
     async def stream_served(
         self, route: Route, request: GenerationRequest
     ) -> AsyncIterator[tuple[GenerationChunk, int]]:
         self._refuse(request)
         for piece, finish in (("a", None), ("b", "length")):
-            yield _chunk(request, f"{piece}{len(request.prompt_token_ids)}", finish), 1
-
-
-def _chunk(request: GenerationRequest, text: str, finish: Any) -> GenerationChunk:
-    return GenerationChunk(
-        text=text,
-        token_ids=(5,),
-        finish_reason=finish,
-        prompt_tokens=len(request.prompt_token_ids),
-        completion_tokens=1,
-        cached_prompt_tokens=0,
-    )
+            yield chunk(request, f"{piece}{len(request.prompt_token_ids)}", finish), 1
 
 
 @pytest.fixture
 def served(monkeypatch):
     stand_in = StandIn()
-
-    async def get(self: Any, model_uid: str) -> StandIn:
-        return stand_in
-
-    async def no_supervisor(**_: Any) -> None:
-        return None
-
-    monkeypatch.setattr(restful_api.ModelHub, "get", get)
-    monkeypatch.setattr(restful_api.xo, "actor_ref", no_supervisor)
+    serve_with(monkeypatch, stand_in)
     app = restful_api.create_app("127.0.0.1:1")
     with TestClient(app) as http:
         yield http, stand_in

@@ -80,6 +80,22 @@ class TransportStats:
     engine_placed_loads: int = 0
 
 
+# ActorCounters field <- ConnectorTotals field, for record_connector_totals
+_FROM_CONNECTOR_TOTALS = (
+    ("direct_reads", "direct_reads"),
+    ("direct_reads_stale", "direct_reads_stale"),
+    ("direct_read_seconds", "direct_read_seconds"),
+    ("worker_staged_blocks", "staged_blocks"),
+    ("stage_skipped_ring_full", "stage_skipped_ring_full"),
+    ("stage_skipped_no_ring", "stage_skipped_no_ring"),
+    ("stage_skipped_unmapped", "stage_skipped_unmapped"),
+    ("ring_slots_retired", "ring_slots_retired"),
+    ("worker_stagings_failed", "stagings_failed"),
+    ("worker_engine_seconds", "worker_engine_seconds"),
+    ("scheduler_engine_seconds", "scheduler_engine_seconds"),
+)
+
+
 @dataclass(slots=True)
 class ActorCounters:
     """The transfer actor's own counters (mutable, owned by the actor)."""
@@ -117,35 +133,8 @@ class ActorCounters:
     def record_connector_totals(self, totals: ConnectorTotals) -> None:
         """The engine process's totals so far: a report lost or overtaken is made
         good by a later one, and a counter never goes back."""
-        self.direct_reads = max(self.direct_reads, totals.direct_reads)
-        self.direct_reads_stale = max(
-            self.direct_reads_stale, totals.direct_reads_stale
-        )
-        self.direct_read_seconds = max(
-            self.direct_read_seconds, totals.direct_read_seconds
-        )
-        self.worker_staged_blocks = max(self.worker_staged_blocks, totals.staged_blocks)
-        self.stage_skipped_ring_full = max(
-            self.stage_skipped_ring_full, totals.stage_skipped_ring_full
-        )
-        self.stage_skipped_no_ring = max(
-            self.stage_skipped_no_ring, totals.stage_skipped_no_ring
-        )
-        self.stage_skipped_unmapped = max(
-            self.stage_skipped_unmapped, totals.stage_skipped_unmapped
-        )
-        self.ring_slots_retired = max(
-            self.ring_slots_retired, totals.ring_slots_retired
-        )
-        self.worker_stagings_failed = max(
-            self.worker_stagings_failed, totals.stagings_failed
-        )
-        self.worker_engine_seconds = max(
-            self.worker_engine_seconds, totals.worker_engine_seconds
-        )
-        self.scheduler_engine_seconds = max(
-            self.scheduler_engine_seconds, totals.scheduler_engine_seconds
-        )
+        for mine, reported in _FROM_CONNECTOR_TOTALS:
+            setattr(self, mine, max(getattr(self, mine), getattr(totals, reported)))
 
 
 @dataclass(frozen=True, slots=True)

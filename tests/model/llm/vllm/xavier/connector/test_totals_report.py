@@ -184,3 +184,22 @@ def test_an_older_total_never_takes_a_counter_back():
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
+
+
+def test_every_reported_total_reaches_a_counter():
+    """A field added to ConnectorTotals and not to the counters would be sent
+    and dropped: each one lands in the counter it names."""
+    totals = ConnectorTotals(
+        **{
+            field.name: index + 1
+            for index, field in enumerate(dataclasses.fields(ConnectorTotals))
+        }
+    )
+    counters = ActorCounters()
+    counters.record_connector_totals(totals)
+    got = sorted(
+        getattr(counters, name)
+        for name in (f.name for f in dataclasses.fields(ActorCounters))
+    )
+    wanted = list(range(1, len(dataclasses.fields(ConnectorTotals)) + 1))
+    assert [value for value in got if value] == wanted
