@@ -203,9 +203,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "timed_out_ring_slots_reused",
-        f"{X}/connector/worker.py",
-        "                self._ring.retire(staging.slots)\n",
-        "                self._ring.give_back(staging.slots)\n",
+        f"{X}/connector/write_behind.py",
+        "                ring.retire(staging.slots)\n",
+        "                ring.give_back(staging.slots)\n",
         (f"{T}/connector/test_worker.py",),
         k="ring",
         group="issue27",
