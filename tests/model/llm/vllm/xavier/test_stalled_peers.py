@@ -287,9 +287,7 @@ async def test_a_load_from_a_stopped_holder_fails_in_time_and_frees_all(
 
             # the transfer's deadline (the result is recorded before the release,
             # which is not awaited)
-            result, elapsed = await ends_within(
-                start_and_wait(), DEADLINE_S + MARGIN_S
-            )
+            result, elapsed = await ends_within(start_and_wait(), DEADLINE_S + MARGIN_S)
             assert not isinstance(result, BaseException), repr(result)
             assert not result.ok, "a load from a stopped holder cannot succeed"
             assert elapsed >= DEADLINE_S, f"failed after {elapsed:.2f} s"
