@@ -101,22 +101,8 @@ if [[ -n $CALIBRATE ]]; then
   note "calibration rc=$? $(grep -E '^\| (xoscar|nixl-slab)' "$LOGS/calibration.log" | head -4)"
 fi
 
-SERVER_PID=
-start_server() {
-  $PY -m xinference.deploy.cmdline local --port "$PORT" > "$LOGS/local.log" 2>&1 &
-  SERVER_PID=$!
-  EP=http://127.0.0.1:$PORT
-  for _ in $(seq 240); do
-    grep -q "Xinference serving at" "$LOGS/local.log" && return 0
-    sleep 0.5
-  done
-  echo "xinference-local did not start"; tail -20 "$LOGS/local.log"; return 1
-}
-stop_server() {
-  [[ -n $SERVER_PID ]] && kill -INT "$SERVER_PID" && wait "$SERVER_PID"
-  SERVER_PID=
-}
-xi() { local limit=$1; shift; timeout "$limit" $PY -m xinference.deploy.cmdline --endpoint "$EP" "$@"; }
+# shellcheck source=benchmark/local_server.sh
+source "$(dirname "$0")/local_server.sh"
 
 options_of() {  # the launch options of a deployment
   local xavier=(--enable-xavier --xavier-gpu-cache-bytes "$TIER")
@@ -139,7 +125,7 @@ launch() {  # launch NAME: two replicas on the one GPU
 }
 
 trap stop_server EXIT  # a failed or timed-out call leaves no server or engine
-start_server || exit 1
+start_server "$PORT" || exit 1
 # The model directory is written before the launches (seconds; both use it).
 $PY -c "from xinference.core.registry import resolve_model; print(resolve_model('$MODEL_NAME'))" \
   >> "$LOGS/env.txt" 2>&1
@@ -209,7 +195,7 @@ for d in "${LIVE[@]}"; do
   xi 90 terminate --model-uid "$d" >> "$LOGS/terminate.log" 2>&1
 done
 stop_server
-grep -h -i "Traceback\|Error" "$LOGS/local.log" | grep -v import_utils | sed 's/^.*\] //' \
+grep -h -i "Traceback\|Error" "$SERVER_LOG" | grep -v import_utils | sed 's/^.*\] //' \
   | sort | uniq -c | sort -rn | head -20 > "$LOGS/highlights.txt"
 $PY benchmark/serving_8b.py report --base "$BASE" "$LOGS"/json/*.json \
   > "$LOGS/report.md" 2>&1

@@ -73,24 +73,8 @@ qwen25_05b_shaped(sys.argv[1], **eval(f"dict({sys.argv[2]})"))
 print(f"model built in {time.time() - started:.0f} s")
 PY
 
-xi() { local limit=$1; shift; timeout "$limit" python3 -m xinference.deploy.cmdline --endpoint "$EP" "$@"; }
-SERVER_PID=
-start_server() {  # start_server PORT [VAR=value ...]: xinference-local, in the background
-  local port=$1; shift
-  env "$@" python3 -m xinference.deploy.cmdline local --port "$port" \
-    > "$LOGS/local-$port.log" 2>&1 &
-  SERVER_PID=$!
-  EP=http://127.0.0.1:$port
-  for _ in $(seq 120); do
-    grep -q "Xinference serving at" "$LOGS/local-$port.log" && return 0
-    sleep 0.5
-  done
-  echo "xinference-local did not start"; tail -20 "$LOGS/local-$port.log"; return 1
-}
-stop_server() {
-  [[ -n $SERVER_PID ]] && kill -INT "$SERVER_PID" && wait "$SERVER_PID"
-  SERVER_PID=
-}
+# shellcheck source=benchmark/local_server.sh
+source "$(dirname "$0")/local_server.sh"
 deploy() {  # deploy LABEL PHASES [launch options...]
   local label=$1 phases=${ONLY_PHASES:-$2}; shift 2
   if (( SECONDS > BUDGET_S - 90 )); then

@@ -83,22 +83,8 @@ if [[ -n ${CUDA_TESTS:-} ]]; then  # the write path's device code, before any en
   (( rc == 0 )) || { tail -30 "$LOGS/cuda-tests.log"; exit 1; }
 fi
 
-SERVER_PID=
-start_server() {
-  $PY -m xinference.deploy.cmdline local --port "$PORT" > "$LOGS/local.log" 2>&1 &
-  SERVER_PID=$!
-  EP=http://127.0.0.1:$PORT
-  for _ in $(seq 240); do
-    grep -q "Xinference serving at" "$LOGS/local.log" && return 0
-    sleep 0.5
-  done
-  echo "xinference-local did not start"; tail -20 "$LOGS/local.log"; return 1
-}
-stop_server() {
-  [[ -n $SERVER_PID ]] && kill -INT "$SERVER_PID" && wait "$SERVER_PID"
-  SERVER_PID=
-}
-xi() { local limit=$1; shift; timeout "$limit" $PY -m xinference.deploy.cmdline --endpoint "$EP" "$@"; }
+# shellcheck source=benchmark/local_server.sh
+source "$(dirname "$0")/local_server.sh"
 options_of() {
   case $1 in
     off) ;;
@@ -108,7 +94,7 @@ options_of() {
 }
 
 trap stop_server EXIT  # a failed or timed-out call leaves no server or engine
-start_server || exit 1
+start_server "$PORT" || exit 1
 $PY -c "from xinference.core.registry import resolve_model; print(resolve_model('$MODEL_NAME'))" \
   >> "$LOGS/env.txt" 2>&1
 # SEQUENCE ("on#1 on#2 ..."): these runs in this order instead of PAIRS' (to carry
@@ -142,9 +128,9 @@ for run in $SEQUENCE; do
 done
 stop_server
 # Xavier's time on each engine's thread, as the connector logs it at shutdown
-grep -h "on the engine's thread" "$LOGS/local.log" | sed 's/^.*engine_time: //' \
+grep -h "on the engine's thread" "$SERVER_LOG" | sed 's/^.*engine_time: //' \
   | cut -c1-400 > "$LOGS/engine-time.txt"
-grep -h -i "Traceback\|Error" "$LOGS/local.log" | grep -v import_utils | sed 's/^.*\] //' \
+grep -h -i "Traceback\|Error" "$SERVER_LOG" | grep -v import_utils | sed 's/^.*\] //' \
   | sort | uniq -c | sort -rn | head -20 > "$LOGS/highlights.txt"
 $PY benchmark/write_path.py report --off off --on on "$LOGS"/json/*.json \
   > "$LOGS/report.md" 2>&1
