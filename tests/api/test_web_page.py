@@ -27,6 +27,15 @@ from typing import Any
 import httpx
 import pytest
 
+from xinference.api.restful_api import replica_stats_json
+from xinference.core.messages import ReplicaStats
+from xinference.model.llm.vllm.xavier.stats import (
+    ActorCounters,
+    StoreStats,
+    TransportStats,
+    XavierStats,
+)
+
 from ..deploy.local_server import LocalServer, wait_for_no_descendants
 from .browser import chromium_page, expect
 
@@ -158,6 +167,7 @@ class StubApi:
         # (status, body) of the next POST /v1/chat/completions and /v1/models
         self.chat: tuple[int, dict[str, Any]] = (200, {})
         self.launch: tuple[int, dict[str, Any]] = (200, {})
+        self.stats: list[dict[str, Any]] = []  # GET /v1/models/{uid}/stats
 
     def handle(self, route: Any) -> None:
         request = route.request
@@ -170,7 +180,7 @@ class StubApi:
         elif path.endswith("/progress"):
             body = {"progress": self.progress, "detail": "loading", "elapsed_s": 3.0}
         elif path.endswith("/stats"):
-            body = []
+            body = self.stats
         elif path == "v1/chat/completions":
             status, body = self.chat
         route.fulfill(status=status, json=body)
@@ -224,6 +234,64 @@ def test_page_states_follow_the_server(session: Session, screenshots: Path) -> N
     expect(page.locator("#models")).to_contain_text("No model is launched.")
     expect(status).to_have_text("")
     expect(chat_error).to_have_text("")
+    assert session.errors == []
+
+
+def replica_stats(rank: int, xavier: XavierStats) -> dict[str, Any]:
+    """``/stats``' JSON for one replica, as the API writes it."""
+    return replica_stats_json(
+        ReplicaStats(
+            model_uid="m",
+            rank=rank,
+            block_size=32,
+            requests_total=12,
+            requests_in_flight=0,
+            prompt_tokens_total=2000,
+            cached_prompt_tokens_total=1400,
+            generated_tokens_total=100,
+            xavier=xavier,
+        )
+    )
+
+
+def test_the_figures_count_both_tiers_and_both_load_paths(session: Session) -> None:
+    """A CPU run moves its bytes through the CPU tier's replies, and on the fast
+    path most hits are the engine's lease-free READs: the page counts both (it
+    read "0 B / 0 B" while /metrics reported 573,440 bytes)."""
+    page = session.page
+    api = StubApi()
+    page.route(re.compile(r".*/v1/.*"), api.handle)
+    cpu_run = XavierStats(
+        actor=ActorCounters(cpu_tier_blocks_loaded=4, loads_ok=1),
+        store=StoreStats(),
+        transport=TransportStats(),
+        cpu_tier_transport=TransportStats(
+            received_wire_bytes=573_440, received_useful_bytes=573_440
+        ),
+    )
+    fast_path = XavierStats(
+        actor=ActorCounters(
+            device_tier_blocks_loaded=1,
+            loads_ok=1,
+            direct_reads=11,
+            direct_read_blocks=11,
+            direct_read_wire_bytes=2 * 1024**2,
+            direct_read_useful_bytes=1024**2,
+        ),
+        store=StoreStats(),
+        transport=TransportStats(sent_wire_bytes=1024, sent_useful_bytes=1024),
+        cpu_tier_transport=TransportStats(sent_wire_bytes=1024, sent_useful_bytes=512),
+    )
+    api.models = [model("m", "ready")]
+    api.stats = [replica_stats(0, cpu_run), replica_stats(1, fast_path)]
+    received = page.locator('td[data-rank="0"][data-figure="Received wire / useful"]')
+    expect(received).to_have_text("560.0 KiB / 560.0 KiB", timeout=10_000)
+    assert figure(page, 0, "Remote hits (CPU)") == "4"
+    assert figure(page, 1, "Received wire / useful") == "2.0 MiB / 1.0 MiB"
+    assert figure(page, 1, "Sent wire / useful") == "2.0 KiB / 1.5 KiB"
+    assert figure(page, 1, "Remote hits (device)") == "12"
+    assert figure(page, 1, "External tokens") == str(12 * 32)
+    assert figure(page, 1, "Loads (actor / lease-free)") == "12 (1 / 11)"
     assert session.errors == []
 
 

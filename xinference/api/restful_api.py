@@ -48,7 +48,7 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from ..core.dispatch import ReplicaDispatcher
-from ..core.messages import DeploymentInfo
+from ..core.messages import DeploymentInfo, ReplicaStats
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
 from ..core.supervisor import SupervisorActor
 from .auth import AuthMiddleware, AuthService, auth_router
@@ -228,7 +228,7 @@ def create_app(
         them, in JSON (``xavier`` is None with Xavier off)."""
         models = await hub()
         reports = await models.supervisor.collect_stats(model_uid)
-        return [dataclasses.asdict(replica) for replica in reports]
+        return [replica_stats_json(replica) for replica in reports]
 
     @app.post("/v1/models/{model_uid}/prefix")
     async def prefix(
@@ -316,6 +316,16 @@ async def _dispatcher(
             param=refused[0],
         )
     return await (await hub()).get(body.model)
+
+
+def replica_stats_json(replica: ReplicaStats) -> dict[str, Any]:
+    """A replica's stats as JSON, each ``XavierStats`` with its ``totals`` (both
+    tiers and both load paths summed: what the page shows)."""
+    data = dataclasses.asdict(replica)
+    if replica.xavier is not None:
+        data["xavier"] = replica.xavier.as_dict()
+    data["xavier_ranks"] = [ranks.as_dict() for ranks in replica.xavier_ranks]
+    return data
 
 
 def _upstream_description(deployment: DeploymentInfo) -> dict[str, Any]:

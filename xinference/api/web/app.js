@@ -223,6 +223,9 @@ function replicaFigures(replica) {
   if (!x) return rows;
   const store = x.store || {};
   const transport = x.transport || {};
+  // both tiers and both load paths (the actor's loads and the engine's
+  // lease-free READs), summed by the server as /metrics sums them
+  const moved = x.totals || {};
   const tier = (name) => {
     const held = store[`${name}_snapshots`] || 0;
     const capacity = store[`${name}_capacity_blocks`] || 0;
@@ -230,17 +233,18 @@ function replicaFigures(replica) {
     const budget = held ? (used / held) * capacity : null;
     return `${held} / ${capacity} snapshots (${bytes(used)}${budget === null ? "" : ` of ${bytes(budget)}`})`;
   };
-  const device = x.actor.device_tier_blocks_loaded;
-  const cpu = x.actor.cpu_tier_blocks_loaded;
+  const device = moved.device_tier_blocks ?? 0;
+  const cpu = moved.cpu_tier_blocks ?? 0;
   rows.push(
     ["Device tier", tier("device")],
     ["CPU tier", tier("cpu")],
     ["Remote hits (device)", device],
     ["Remote hits (CPU)", cpu],
     ["External tokens", (device + cpu) * replica.block_size],
-    ["Received wire / useful", `${bytes(transport.received_wire_bytes)} / ${bytes(transport.received_useful_bytes)}`],
-    ["Sent wire / useful", `${bytes(transport.sent_wire_bytes)} / ${bytes(transport.sent_useful_bytes)}`],
-    ["Load p50 / p95", `${ms(x.load_latency.p50_s)} / ${ms(x.load_latency.p95_s)}`],
+    ["Received wire / useful", `${bytes(moved.received_wire_bytes)} / ${bytes(moved.received_useful_bytes)}`],
+    ["Sent wire / useful", `${bytes(moved.sent_wire_bytes)} / ${bytes(moved.sent_useful_bytes)}`],
+    ["Loads (actor / lease-free)", `${moved.loads ?? 0} (${moved.actor_loads ?? 0} / ${moved.lease_free_loads ?? 0})`],
+    ["Actor load p50 / p95", `${ms(x.load_latency.p50_s)} / ${ms(x.load_latency.p95_s)}`],
     ["Registration changes", transport.registration_changes ?? "–"],
     ["Demotions", store.demotions ?? "–"],
     ["Skips", store.skips ?? "–"],
