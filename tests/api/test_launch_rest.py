@@ -169,6 +169,11 @@ def test_the_python_client_raises_the_servers_reason(server, model_dir):
         with pytest.raises(XinferenceError, match="not launched") as caught:
             client.terminate_model("ghost")
         assert caught.value.status_code == 404
+        # a handle on a model that is not served fails at once, not at .chat()
+        with pytest.raises(XinferenceError, match="is not launched") as caught:
+            client.get_model("ghost")
+        assert caught.value.status_code == 404
+        assert "no model is launched" in caught.value.detail
 
 
 def test_unknown_models_are_a_404(http):
