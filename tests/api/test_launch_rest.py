@@ -98,6 +98,19 @@ def test_misspelt_options_are_refused(http, model_dir):
     )
     assert response.status_code == 400
     assert "unknown launch option 'enable_xavir'" in response.json()["detail"]
+    assert (
+        "did you mean 'enable_xavier' (--enable-xavier)?" in response.json()["detail"]
+    )
+    # named before the checks of the option it was meant for, which would see
+    # that option's default (replica 1: "it needs replica >= 2, got 1")
+    response = http.post(
+        "/v1/models", json=dict(model_path=model_dir, replicas=2, enable_xavier=True)
+    )
+    assert response.status_code == 400
+    assert response.json()["detail"] == (
+        "unknown launch option 'replicas': neither an Xinference option nor a "
+        "vLLM engine argument; did you mean 'replica' (--replica)?"
+    )
 
 
 def test_upstream_client_payloads_reach_validation(server, model_dir):
