@@ -114,8 +114,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(LaunchOptionError)
     async def _bad_option(_: Request, error: LaunchOptionError) -> ErrorResponse:
+        # error_message: one raised in a replica's process comes through xoscar,
+        # whose str() puts "[address=..., pid=...]" before the message
         return ErrorResponse(
-            error_body(str(error), "invalid_request_error"), status_code=400
+            error_body(error_message(error), "invalid_request_error"), status_code=400
         )
 
     @app.exception_handler(InvalidRequest)
