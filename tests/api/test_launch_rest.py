@@ -203,3 +203,15 @@ def test_metrics_without_models(http):
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     assert "# TYPE xavier_remote_hits_total counter" in response.text
+
+
+def test_the_model_names_a_launch_takes_are_listed(http):
+    """The page offers them in its model box (upstream's route and keys)."""
+    listed = http.get("/v1/model_registrations/LLM")
+    assert listed.status_code == 200
+    names = {entry["model_name"]: entry for entry in listed.json()}
+    assert names["tiny-qwen2"]["is_builtin"] is True
+    assert names["tiny-qwen2"]["description"]
+    other = http.get("/v1/model_registrations/embedding")
+    assert other.status_code == 404
+    assert other.json()["detail"] == "no 'embedding' models here: only 'LLM' is served"

@@ -8,6 +8,7 @@
     POST   /v1/models/{uid}/cancel    stop a launch in progress and tear it down
     GET    /v1/models/{uid}/replicas  each replica's own report (from its process)
     GET    /v1/models/{uid}/stats     each replica's counters and Xavier stats (JSON)
+    GET    /v1/model_registrations/LLM  the model names a launch takes
     POST   /v1/models/{uid}/prefix    who holds the longest cached prefix of a prompt
     DELETE /v1/models/{uid}           terminate (or cancel a launch: it answers 409);
                                       returns the final Xavier counters
@@ -50,6 +51,7 @@ from fastapi.staticfiles import StaticFiles
 from ..core.dispatch import ReplicaDispatcher
 from ..core.messages import DeploymentInfo, ReplicaStats
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
+from ..core.registry import registered_models
 from ..core.supervisor import SupervisorActor
 from .auth import AuthMiddleware, AuthService, auth_router
 from .body_limit import BodyLimit
@@ -165,6 +167,23 @@ def create_app(
         if isinstance(launched, str):  # not waited for: only the uid is known yet
             return {"model_uid": launched}
         return _deployment_json(launched)
+
+    @app.get("/v1/model_registrations/{model_type}")
+    async def model_registrations(model_type: str) -> list[dict[str, Any]]:
+        """The model names a launch takes (``model_name``), as upstream's route
+        lists its registrations: the built-in offline models and the entries of
+        ``$XINFERENCE_HOME/models.json``. Only LLMs are served here."""
+        if model_type != "LLM":
+            raise LookupError(f"no {model_type!r} models here: only 'LLM' is served")
+        known = await asyncio.to_thread(registered_models)
+        return [
+            {
+                "model_name": name,
+                "is_builtin": model.build is not None,
+                "description": model.description,
+            }
+            for name, model in sorted(known.items())
+        ]
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

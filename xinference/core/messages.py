@@ -181,6 +181,7 @@ class LaunchProgress:
     replicas_ready: int
     replicas_total: int
     detail: str
+    # seconds since the launch began; while terminating, since the terminate did
     elapsed_s: float
     error: str | None = None
     # share of the launch's steps done, 0..1 (``launch_phases``); 1 once ready

@@ -450,6 +450,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             raise LaunchOptionError(f"model {model_uid!r} is {record.state}")
         record.state = "terminating"
         record.detail = "terminating"
+        record.terminating_since = time.monotonic()
         if record.monitor is not None:
             record.monitor.cancel()
             await asyncio.gather(record.monitor, return_exceptions=True)
