@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import re
 import shlex
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -402,6 +405,38 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = shown[0].split("#")[0].strip()
     assert command.endswith("-m pytest tests"), shown[0]
     assert command in (ROOT / ".ci/run").read_text().splitlines()
+
+
+@functools.cache
+def _headline() -> Any:
+    """``benchmark/headline.py``, which renders the headline table from JSON."""
+    spec = importlib.util.spec_from_file_location(
+        "headline", ROOT / "benchmark/headline.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/performance.md"])
+def test_the_headline_table_is_the_one_the_results_give(doc: str) -> None:
+    """Regenerate with ``python benchmark/headline.py --write``."""
+    headline = _headline()
+    assert headline.shown((ROOT / doc).read_text()) == headline.render()
+
+
+def test_a_headline_figure_typed_by_hand_is_reported() -> None:
+    headline = _headline()
+    table = headline.render()
+    typed = table.replace("| 85.0 ms |", "| 80.0 ms |")
+    assert typed != table
+    text = headline.replaced(
+        "# Doc\n\n" + headline.START + "\nold\n" + headline.END, typed
+    )
+    assert headline.shown(text) != headline.render()
+    assert headline.shown(headline.replaced(text, table)) == table
 
 
 def test_the_metrics_reference_names_the_stats_each_series_sums() -> None:
