@@ -334,6 +334,7 @@ def test_terminate_asks_first_then_keeps_the_final_counters(
     # a refresh draws the card again: the question stays until answered
     page.wait_for_timeout(2500)
     expect(question).to_be_visible()
+    question.screenshot(path=str(screenshots / "0-terminate-question.png"))
     page.get_by_role("button", name="Keep m serving").click()
     expect(page.get_by_role("button", name="Terminate m")).to_be_visible()
     assert api.deletes == []
