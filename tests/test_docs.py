@@ -2,18 +2,26 @@
 file path they name exists (a link's #section too), every CLI option they show is
 one the command's ``--help`` lists (or, for ``launch``, a free ``--key value`` pair
 the launch accepts), every Xavier series ``/metrics`` exports is in the metrics
-reference, and CI runs the README's test command. The checkers are tested on wrong
-input first, so that a check that cannot fail does not pass for one that holds."""
+reference with the stats it sums, and CI runs the README's test command. The docs
+agree with each other and with the runs: every decimal figure the README's opening
+and the performance summary quote is in the recorded results (the table's, in the
+results file its row links), the GPUs the README says were tested are every GPU the
+runs used, and no doc says the fast path waits for a GPU run once one is recorded.
+The checkers are tested on wrong input first, so that a check that cannot fail does
+not pass for one that holds."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import re
 import shlex
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -276,6 +284,89 @@ def option_errors(text: str) -> list[str]:
     return errors
 
 
+# ---- docs against each other, the code and the runs ----------------------------------
+
+RESULTS = ROOT / "benchmark/results"
+_DECIMAL = re.compile(r"(?<![\w.])\d[\d,]*\.\d+")
+_GPU = re.compile(r"\b[HAB]\d{2,3}\b")  # H100, H200, A100, B200
+
+
+def _figures(text: str) -> list[str]:
+    """The decimal figures quoted in ``text``, thousands separators dropped."""
+    return [figure.replace(",", "") for figure in _DECIMAL.findall(text)]
+
+
+def figures_not_in_results(text: str, results: str) -> list[str]:
+    """Decimal figures of ``text`` that ``results`` (a results file, or all of
+    them) never states: typed by hand, or from a run since replaced."""
+    recorded = results.replace(",", "")
+    return [figure for figure in _figures(text) if figure not in recorded]
+
+
+def summary_rows(performance: str) -> Iterator[tuple[str, str, str, list[str]]]:
+    """(what, figure, machine and date, linked files) of each row of
+    performance.md's summary table (four columns, the header left out)."""
+    for line in performance.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) != 4 or set(cells[0]) <= {"-", " "} or cells[0] == "what":
+            continue
+        links = re.findall(r"\]\(([^)#\s]+)", cells[3])
+        yield cells[0], cells[1], cells[2], links
+
+
+def untested_gpus(readme: str, performance: str) -> list[str]:
+    """GPUs performance.md lists as machines of its runs that the README's
+    "tested:" does not name."""
+    machines = re.findall(r"^- \*\*([^*]+)\*\*", performance, re.MULTILINE)
+    used = {gpu for machine in machines for gpu in _GPU.findall(machine)}
+    tested = re.search(r"tested: ([^)]*)\)", readme)
+    named = set(_GPU.findall(tested.group(1))) if tested else set()
+    return sorted(used - named)
+
+
+_WAITS_FOR_A_GPU = re.compile(r"until it (?:has )?(?:been )?run on a GPU", re.I)
+
+
+def stale_gpu_waits(text: str, performance: str) -> list[str]:
+    """Lines of ``text`` that put the fast path off until a GPU run, where
+    performance.md records one (a summary row about the fast path on a GPU)."""
+    ran_on_gpu = any(
+        "fast path" in what.lower() and _GPU.search(machine)
+        for what, _, machine, _ in summary_rows(performance)
+    )
+    if not ran_on_gpu:
+        return []
+    return [
+        " ".join(line.split())
+        for line in text.splitlines()
+        if _WAITS_FOR_A_GPU.search(line)
+    ]
+
+
+def metric_stat_errors(reference: str) -> list[str]:
+    """Rows of the metrics reference whose "stat" column is not exactly the
+    stats the exporter sums into that series."""
+    exported: dict[str, set[str]] = {}
+    for metric in (*XAVIER_METRICS, *XAVIER_RANK_METRICS):
+        name = metric.name + ("_total" if metric.kind == "counter" else "")
+        exported.setdefault(name, set()).add(metric.stat)
+    errors = []
+    for line in reference.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) != 4:
+            continue
+        name = cells[0].strip("`")
+        if name not in exported:
+            continue
+        documented = set(_SPAN.findall(cells[3]))
+        if documented != exported[name]:
+            errors.append(
+                f"{name}: documented {sorted(documented)}, "
+                f"exported {sorted(exported[name])}"
+            )
+    return errors
+
+
 # ---- the checks on the repository ------------------------------------------------------
 
 
@@ -308,13 +399,138 @@ def test_every_exported_xavier_series_is_in_the_metrics_reference() -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    readme = (ROOT / "README.md").read_text().splitlines()
-    command = readme[3].split("#")[0].strip()
-    assert command.endswith("-m pytest tests"), readme[3]
+    readme = (ROOT / "README.md").read_text().split("\n## ", 1)[0].splitlines()
+    shown = [line for line in readme if "-m pytest tests" in line]
+    assert len(shown) == 1, shown  # the opening shows it once, before any section
+    command = shown[0].split("#")[0].strip()
+    assert command.endswith("-m pytest tests"), shown[0]
     assert command in (ROOT / ".ci/run").read_text().splitlines()
 
 
+@functools.cache
+def _headline() -> Any:
+    """``benchmark/headline.py``, which renders the headline table from JSON."""
+    spec = importlib.util.spec_from_file_location(
+        "headline", ROOT / "benchmark/headline.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/performance.md"])
+def test_the_headline_table_is_the_one_the_results_give(doc: str) -> None:
+    """Regenerate with ``python benchmark/headline.py --write``."""
+    headline = _headline()
+    assert headline.shown((ROOT / doc).read_text()) == headline.render()
+
+
+def test_a_headline_figure_typed_by_hand_is_reported() -> None:
+    headline = _headline()
+    table = headline.render()
+    typed = table.replace("| 85.0 ms |", "| 80.0 ms |")
+    assert typed != table
+    text = headline.replaced(
+        "# Doc\n\n" + headline.START + "\nold\n" + headline.END, typed
+    )
+    assert headline.shown(text) != headline.render()
+    assert headline.shown(headline.replaced(text, table)) == table
+
+
+def test_the_metrics_reference_names_the_stats_each_series_sums() -> None:
+    assert metric_stat_errors((ROOT / "docs/metrics.md").read_text()) == []
+
+
+def test_the_performance_summary_quotes_its_results() -> None:
+    performance = (ROOT / "docs/performance.md").read_text()
+    rows = list(summary_rows(performance))
+    assert len(rows) >= 10
+    for what, figure, _, links in rows:
+        linked = [(ROOT / "docs" / link).resolve() for link in links]
+        results = "".join(p.read_text() for p in linked if p.is_file())
+        assert results, f"{what}: links no results file"
+        assert figures_not_in_results(figure, results) == [], what
+
+
+def test_the_opening_claims_quote_recorded_runs() -> None:
+    """The README's opening (before its first section) and performance.md's
+    "What the figures say" quote figures some results file records."""
+    results = "".join(p.read_text() for p in sorted(RESULTS.rglob("*.md")))
+    readme = (ROOT / "README.md").read_text().split("\n## ", 1)[0]
+    performance = (ROOT / "docs/performance.md").read_text()
+    said = performance.split("## What the figures say", 1)[1]
+    assert _figures(readme), "the README's opening quotes no figure"
+    assert figures_not_in_results(readme, results) == []
+    assert figures_not_in_results(said, results) == []
+
+
+def test_the_gpus_said_tested_are_those_the_runs_used() -> None:
+    readme = (ROOT / "README.md").read_text()
+    performance = (ROOT / "docs/performance.md").read_text()
+    assert untested_gpus(readme, performance) == []
+
+
+def test_no_doc_waits_for_a_gpu_run_of_the_fast_path_that_is_recorded() -> None:
+    performance = (ROOT / "docs/performance.md").read_text()
+    for doc in DOCS:
+        assert stale_gpu_waits(doc.read_text(), performance) == [], doc.name
+
+
+def test_the_readme_says_how_to_stop_the_server_and_reach_another_port() -> None:
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "stops the server" in quick_start
+    # a command of ours shown with -e/--endpoint, on a port other than the default
+    shown = [words for words in _commands(quick_start)]
+    assert any(
+        {"-e", "--endpoint"} & set(words)
+        and not any(word.endswith(":9997") for word in words)
+        for words in shown
+    ), shown
+
+
 # ---- the checkers find what is wrong -------------------------------------------------
+
+
+def test_a_figure_no_run_recorded_is_reported() -> None:
+    results = "| 8,192 | 106.6 | 303.3 | 85.0 |"
+    assert figures_not_in_results("85.0 against 106.6 ms, 303.3 before", results) == []
+    assert figures_not_in_results("a miss took 1,303.3 ms", results) == ["1303.3"]
+    assert figures_not_in_results("2.75x faster", results) == ["2.75"]
+
+
+def test_a_gpu_run_but_not_said_tested_is_reported() -> None:
+    performance = "Machines:\n\n- **H200**: one\n- **H100**: one\n- **CPU**: the\n"
+    assert untested_gpus("| devices | GPUs (tested: H200), and CPU |", performance) == [
+        "H100"
+    ]
+    assert untested_gpus("(tested: H100, H200)", performance) == []
+
+
+def test_a_doc_waiting_for_a_gpu_run_that_is_recorded_is_reported() -> None:
+    recorded = (
+        "| A remote hit on the fast path, 8B | 3.2 ms | H100, 2026-12-06 | [x](y) |"
+    )
+    cpu_only = (
+        "| A remote hit on the fast path, tiny | 3.2 ms | CPU, 2026-12-06 | [x](y) |"
+    )
+    doc = "it is off\n(the default until it has run on a GPU); a flag wins\n"
+    assert stale_gpu_waits(doc, recorded) == [
+        "(the default until it has run on a GPU); a flag wins"
+    ]
+    assert stale_gpu_waits(doc, cpu_only) == []
+
+
+def test_a_series_documented_with_other_stats_is_reported() -> None:
+    device_only = (
+        "| `xavier_received_wire_bytes_total` | counter | Bytes peers copied "
+        "(device-tier transport) | `transport.received_wire_bytes` |"
+    )
+    (error,) = metric_stat_errors(device_only)
+    assert error.startswith("xavier_received_wire_bytes_total: documented")
+    assert "cpu_tier_transport.received_wire_bytes" in error
 
 
 def test_a_wrong_link_or_section_is_reported(tmp_path: Path) -> None:

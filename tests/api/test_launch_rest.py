@@ -98,6 +98,19 @@ def test_misspelt_options_are_refused(http, model_dir):
     )
     assert response.status_code == 400
     assert "unknown launch option 'enable_xavir'" in response.json()["detail"]
+    assert (
+        "did you mean 'enable_xavier' (--enable-xavier)?" in response.json()["detail"]
+    )
+    # named before the checks of the option it was meant for, which would see
+    # that option's default (replica 1: "it needs replica >= 2, got 1")
+    response = http.post(
+        "/v1/models", json=dict(model_path=model_dir, replicas=2, enable_xavier=True)
+    )
+    assert response.status_code == 400
+    assert response.json()["detail"] == (
+        "unknown launch option 'replicas': neither an Xinference option nor a "
+        "vLLM engine argument; did you mean 'replica' (--replica)?"
+    )
 
 
 def test_upstream_client_payloads_reach_validation(server, model_dir):
@@ -169,6 +182,11 @@ def test_the_python_client_raises_the_servers_reason(server, model_dir):
         with pytest.raises(XinferenceError, match="not launched") as caught:
             client.terminate_model("ghost")
         assert caught.value.status_code == 404
+        # a handle on a model that is not served fails at once, not at .chat()
+        with pytest.raises(XinferenceError, match="is not launched") as caught:
+            client.get_model("ghost")
+        assert caught.value.status_code == 404
+        assert "no model is launched" in caught.value.detail
 
 
 def test_unknown_models_are_a_404(http):
@@ -185,3 +203,15 @@ def test_metrics_without_models(http):
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     assert "# TYPE xavier_remote_hits_total counter" in response.text
+
+
+def test_the_model_names_a_launch_takes_are_listed(http):
+    """The page offers them in its model box (upstream's route and keys)."""
+    listed = http.get("/v1/model_registrations/LLM")
+    assert listed.status_code == 200
+    names = {entry["model_name"]: entry for entry in listed.json()}
+    assert names["tiny-qwen2"]["is_builtin"] is True
+    assert names["tiny-qwen2"]["description"]
+    other = http.get("/v1/model_registrations/embedding")
+    assert other.status_code == 404
+    assert other.json()["detail"] == "no 'embedding' models here: only 'LLM' is served"

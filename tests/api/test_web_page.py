@@ -27,6 +27,15 @@ from typing import Any
 import httpx
 import pytest
 
+from xinference.api.restful_api import replica_stats_json
+from xinference.core.messages import ReplicaStats
+from xinference.model.llm.vllm.xavier.stats import (
+    ActorCounters,
+    StoreStats,
+    TransportStats,
+    XavierStats,
+)
+
 from ..deploy.local_server import LocalServer, wait_for_no_descendants
 from .browser import chromium_page, expect
 
@@ -158,19 +167,35 @@ class StubApi:
         # (status, body) of the next POST /v1/chat/completions and /v1/models
         self.chat: tuple[int, dict[str, Any]] = (200, {})
         self.launch: tuple[int, dict[str, Any]] = (200, {})
+        self.stats: list[dict[str, Any]] = []  # GET /v1/models/{uid}/stats
+        self.prefix: dict[str, Any] = {}  # POST /v1/models/{uid}/prefix
+        self.registrations: list[dict[str, Any]] = []
+        self.terminated: dict[str, Any] = {}  # DELETE /v1/models/{uid}'s answer
+        self.deletes: list[str] = []  # the paths DELETE was sent to
+        self.down = False  # the server stopped: every call fails to connect
 
     def handle(self, route: Any) -> None:
         request = route.request
         path = request.url.split("://", 1)[1].split("/", 1)[1].split("?")[0]
         status, body = 200, {}
-        if path == "v1/models" and request.method == "GET":
+        if self.down:
+            route.abort("connectionrefused")
+            return
+        if request.method == "DELETE":
+            self.deletes.append(path)
+            body = self.terminated
+        elif path == "v1/model_registrations/LLM":
+            body = self.registrations
+        elif path.endswith("/prefix"):
+            body = self.prefix
+        elif path == "v1/models" and request.method == "GET":
             body = {"object": "list", "data": self.models}
         elif path == "v1/models" and request.method == "POST":
             status, body = self.launch
         elif path.endswith("/progress"):
             body = {"progress": self.progress, "detail": "loading", "elapsed_s": 3.0}
         elif path.endswith("/stats"):
-            body = []
+            body = self.stats
         elif path == "v1/chat/completions":
             status, body = self.chat
         route.fulfill(status=status, json=body)
@@ -225,6 +250,142 @@ def test_page_states_follow_the_server(session: Session, screenshots: Path) -> N
     expect(status).to_have_text("")
     expect(chat_error).to_have_text("")
     assert session.errors == []
+
+
+def replica_stats(rank: int, xavier: XavierStats) -> dict[str, Any]:
+    """``/stats``' JSON for one replica, as the API writes it."""
+    return replica_stats_json(
+        ReplicaStats(
+            model_uid="m",
+            rank=rank,
+            block_size=32,
+            requests_total=12,
+            requests_in_flight=0,
+            prompt_tokens_total=2000,
+            cached_prompt_tokens_total=1400,
+            generated_tokens_total=100,
+            xavier=xavier,
+        )
+    )
+
+
+def test_the_figures_count_both_tiers_and_both_load_paths(session: Session) -> None:
+    """A CPU run moves its bytes through the CPU tier's replies, and on the fast
+    path most hits are the engine's lease-free READs: the page counts both (it
+    read "0 B / 0 B" while /metrics reported 573,440 bytes)."""
+    page = session.page
+    api = StubApi()
+    page.route(re.compile(r".*/v1/.*"), api.handle)
+    cpu_run = XavierStats(
+        actor=ActorCounters(cpu_tier_blocks_loaded=4, loads_ok=1),
+        store=StoreStats(),
+        transport=TransportStats(),
+        cpu_tier_transport=TransportStats(
+            received_wire_bytes=573_440, received_useful_bytes=573_440
+        ),
+    )
+    fast_path = XavierStats(
+        actor=ActorCounters(
+            device_tier_blocks_loaded=1,
+            loads_ok=1,
+            direct_reads=11,
+            direct_read_blocks=11,
+            direct_read_wire_bytes=2 * 1024**2,
+            direct_read_useful_bytes=1024**2,
+        ),
+        store=StoreStats(),
+        transport=TransportStats(sent_wire_bytes=1024, sent_useful_bytes=1024),
+        cpu_tier_transport=TransportStats(sent_wire_bytes=1024, sent_useful_bytes=512),
+    )
+    api.models = [model("m", "ready")]
+    api.stats = [replica_stats(0, cpu_run), replica_stats(1, fast_path)]
+    received = page.locator('td[data-rank="0"][data-figure="Received wire / useful"]')
+    expect(received).to_have_text("560.0 KiB / 560.0 KiB", timeout=10_000)
+    assert figure(page, 0, "Remote hits (CPU)") == "4"
+    assert figure(page, 1, "Received wire / useful") == "2.0 MiB / 1.0 MiB"
+    assert figure(page, 1, "Sent wire / useful") == "2.0 KiB / 1.5 KiB"
+    assert figure(page, 1, "Remote hits (device)") == "12"
+    assert figure(page, 1, "External tokens") == str(12 * 32)
+    assert figure(page, 1, "Loads (actor / lease-free)") == "12 (1 / 11)"
+    assert session.errors == []
+
+
+def test_terminate_asks_first_then_keeps_the_final_counters(
+    session: Session, screenshots: Path
+) -> None:
+    """A terminate discards the live figures: it is asked for twice, and the
+    counters it returns stay on the page once the model is gone."""
+    page = session.page
+    api = StubApi()
+    page.route(re.compile(r".*/v1/.*"), api.handle)
+    loader = XavierStats(
+        actor=ActorCounters(cpu_tier_blocks_loaded=1, loads_ok=1),
+        cpu_tier_transport=TransportStats(received_useful_bytes=32 * 1024),
+    )
+    api.models = [model("m", "ready")]
+    api.stats = [replica_stats(0, XavierStats()), replica_stats(1, loader)]
+    api.terminated = {
+        "model_uid": "m",
+        "xavier_counters": {"1": loader.as_dict(), "0": XavierStats().as_dict()},
+    }
+    page.get_by_role("button", name="Terminate m").click()
+    question = page.get_by_role("group", name="Terminate m?")
+    expect(question).to_be_visible()
+    # a refresh draws the card again: the question stays until answered
+    page.wait_for_timeout(2500)
+    expect(question).to_be_visible()
+    question.screenshot(path=str(screenshots / "0-terminate-question.png"))
+    page.get_by_role("button", name="Keep m serving").click()
+    expect(page.get_by_role("button", name="Terminate m")).to_be_visible()
+    assert api.deletes == []
+
+    page.get_by_role("button", name="Terminate m").click()
+    page.get_by_role("button", name="Yes, terminate m").click()
+    api.models = []
+    expect(page.locator("#models")).to_contain_text("No model is launched.")
+    assert api.deletes == ["v1/models/m"]
+    expect(page.locator("#models-status")).to_have_text(
+        "Terminated m. Final counters: replica 0 loaded 0 blocks from peers (0 B) "
+        "in 0 loads and sent 0 B; replica 1 loaded 1 block from peers (32.0 KiB) "
+        "in 1 load and sent 0 B."
+    )
+    page.screenshot(path=str(screenshots / "0-terminated.png"), full_page=True)
+    assert session.errors == []
+
+
+def test_small_words_and_a_stopped_server(session: Session, screenshots: Path) -> None:
+    """One block is "1 block"; the model box offers the names a launch takes;
+    once the server stops answering the page no longer says no model runs."""
+    page = session.page
+    api = StubApi()
+    api.registrations = [
+        {"model_name": "tiny-qwen2", "is_builtin": True, "description": "tests"},
+        {"model_name": "mine", "is_builtin": False, "description": "local model"},
+    ]
+    page.route(re.compile(r".*/v1/.*"), api.handle)
+    page.reload()
+    options = page.locator("#model-names option")
+    expect(options).to_have_count(2)
+    assert options.nth(0).get_attribute("value") == "tiny-qwen2"
+    api.models = [model("m", "ready")]
+    expect(page.locator("#prefix-model")).to_have_value("m", timeout=10_000)
+    api.prefix = {
+        "holder": 0,
+        "prefix_blocks": 1,
+        "prefix_tokens": 32,
+        "prompt_tokens": 40,
+    }
+    page.get_by_role("button", name="Look up").click()
+    expect(page.locator("#prefix-result")).to_have_text(
+        "Replica 0 holds 1 block: 32 of 40 prompt tokens."
+    )
+    api.down = True
+    expect(page.locator("#models")).to_have_text(
+        "The server does not answer: which models run is unknown until it does.",
+        timeout=10_000,
+    )
+    expect(page.locator("#connection")).to_contain_text("Cannot reach the server")
+    page.screenshot(path=str(screenshots / "0-server-stopped.png"), full_page=True)
 
 
 def test_no_select_cuts_its_options_off(session: Session) -> None:
@@ -305,8 +466,13 @@ def test_launch_chat_see_remote_hits_terminate(
     page.screenshot(path=str(screenshots / "4-prefix.png"), full_page=True)
 
     page.get_by_role("button", name=f"Terminate {MODEL}").click()
+    page.get_by_role("button", name=f"Yes, terminate {MODEL}").click()
     expect(page.locator("#models")).to_contain_text(
         "No model is launched.", timeout=180_000
+    )
+    # the final counters stay: replica 1 loaded the shared prefix
+    expect(page.locator("#models-status")).to_contain_text(
+        re.compile(rf"Terminated {MODEL}\. Final counters: .*replica 1 loaded [1-9]")
     )
     # the finished launch's status went with its model
     expect(page.locator("#launch-status")).to_have_text("")

@@ -7,6 +7,7 @@ import pytest
 
 from xinference.core.engine_args import (
     EngineArgumentError,
+    check_names,
     parse_cli_value,
     validate_engine_args,
 )
@@ -49,6 +50,28 @@ def test_values_come_back_as_vllm_parses_them():
 def test_bad_engine_arguments_are_refused(args, message):
     with pytest.raises(EngineArgumentError, match=message):
         validate_engine_args(args, xavier=False)
+
+
+@pytest.mark.parametrize(
+    "name, meant",
+    [
+        ("enable-xavire", "'enable_xavier' (--enable-xavier)"),  # a launch option
+        ("replicas", "'replica' (--replica)"),
+        (
+            "max_num_batched_tokns",
+            "'max_num_batched_tokens' (--max-num-batched-tokens)",
+        ),
+    ],
+)
+def test_a_misspelt_option_is_named_with_the_one_meant(name, meant):
+    launch_options = {"enable_xavier", "replica", "block_size"}
+    with pytest.raises(EngineArgumentError, match="did you mean") as raised:
+        check_names([name], launch_options)
+    assert str(raised.value).endswith(f"did you mean {meant}?")
+    with pytest.raises(EngineArgumentError) as raised:
+        check_names(["zzz_qqq"], launch_options)
+    assert "did you mean" not in str(raised.value)  # nothing close: no guess
+    check_names(["replica", "max-num-batched-tokens"], launch_options)
 
 
 def test_xavier_refuses_what_it_cannot_work_without():

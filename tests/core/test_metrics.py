@@ -54,6 +54,12 @@ XAVIER_STATS = XavierStats(
         ring_slots_retired=3,
         worker_engine_seconds=0.25,
         scheduler_engine_seconds=0.5,
+        # the engine's lease-free READs: 5 loads, 1 stale, 11 blocks kept
+        direct_reads=5,
+        direct_reads_stale=1,
+        direct_read_blocks=11,
+        direct_read_wire_bytes=50_000,
+        direct_read_useful_bytes=44_000,
     ),
     load_latency=LatencySummary(
         count=3, sum_s=0.006, buckets=((0.001, 1), (0.0025, 3))
@@ -84,6 +90,47 @@ def scrape(samples):
     return values
 
 
+def test_the_totals_a_person_reads_are_the_exported_series():
+    """The page and ``terminate`` read ``XavierStats.totals()``; ``/metrics``
+    sums its series from the same counters: both give the same figures."""
+    totals = XAVIER_STATS.totals()
+    assert (totals.device_tier_blocks, totals.cpu_tier_blocks) == (7 + 11, 2)
+    assert (totals.loads, totals.actor_loads, totals.lease_free_loads) == (7, 3, 4)
+    values = scrape([ReplicaSample(stats(0, XAVIER_STATS))])
+    r0 = (("model_uid", "m"), ("rank", "0"))
+
+    def get(name, *extra):
+        return values[(name, tuple(sorted(r0 + extra)))]
+
+    assert totals.device_tier_blocks == get(
+        "xavier_remote_hits_total", ("tier", "device")
+    )
+    assert totals.cpu_tier_blocks == get("xavier_remote_hits_total", ("tier", "cpu"))
+    assert totals.sent_wire_bytes == get("xavier_wire_bytes_total")
+    assert totals.sent_useful_bytes == get("xavier_useful_bytes_total")
+    assert totals.received_wire_bytes == get("xavier_received_wire_bytes_total")
+    assert totals.received_useful_bytes == get("xavier_received_useful_bytes_total")
+    # as_dict carries them for JSON (the REST API, terminate's counters)
+    assert XAVIER_STATS.as_dict()["totals"] == dataclasses.asdict(totals)
+
+
+def test_a_cpu_tier_only_replica_reports_what_it_moved():
+    """A CPU run moves bytes through the CPU tier's replies only: its totals
+    are not the device-tier transport's zeros."""
+    cpu_only = XavierStats(
+        actor=ActorCounters(cpu_tier_blocks_loaded=4, loads_ok=1),
+        transport=TransportStats(),
+        cpu_tier_transport=TransportStats(
+            received_wire_bytes=573_440, received_useful_bytes=573_440
+        ),
+    )
+    totals = cpu_only.totals()
+    assert (totals.received_wire_bytes, totals.received_useful_bytes) == (573_440,) * 2
+    assert (totals.cpu_tier_blocks, totals.loads) == (4, 1)
+    # mapped not yet: no transports, nothing moved
+    assert XavierStats().totals().received_wire_bytes == 0
+
+
 def test_per_replica_xavier_series():
     values = scrape(
         [
@@ -96,15 +143,17 @@ def test_per_replica_xavier_series():
     def get(name, *extra):
         return values[(name, tuple(sorted(r0 + extra)))]
 
-    assert get("xavier_remote_hits_total", ("tier", "device")) == 7
+    # device-tier hits: the actor's loads and the engine's lease-free READs
+    assert get("xavier_remote_hits_total", ("tier", "device")) == 7 + 11
     assert get("xavier_remote_hits_total", ("tier", "cpu")) == 2
-    assert get("xavier_external_tokens_loaded_total") == (7 + 2) * 32
+    assert get("xavier_external_tokens_loaded_total") == (7 + 11 + 2) * 32
     assert get("xavier_served_snapshots_total", ("tier", "device")) == 3
-    # bytes add both tiers: the device-tier transport's and the CPU tier's replies
+    # bytes add both tiers (the device-tier transport's and the CPU tier's
+    # replies) and, received, the lease-free READs
     assert get("xavier_wire_bytes_total") == 1000 + 200
     assert get("xavier_useful_bytes_total") == 600 + 200
-    assert get("xavier_received_wire_bytes_total") == 10 + 3000
-    assert get("xavier_received_useful_bytes_total") == 6 + 3000
+    assert get("xavier_received_wire_bytes_total") == 10 + 3000 + 50_000
+    assert get("xavier_received_useful_bytes_total") == 6 + 3000 + 44_000
     assert get("xavier_registration_changes_total") == 2
     assert get("xavier_demotions_total") == 2
     assert get("xavier_skips_total") == 1

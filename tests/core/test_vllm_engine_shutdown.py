@@ -6,6 +6,7 @@ a terminate stops a replica in the order that vLLM does not report as a crash
 import asyncio
 import logging
 import os
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -119,13 +120,15 @@ def test_the_engine_core_gets_the_workers_exit_timeout(monkeypatch, preset):
     else:
         monkeypatch.setenv(WORKER_EXIT_TIMEOUT_ENV, preset)
 
-    def from_engine_args(args):
+    def from_vllm_config(config, **_):
         # read when vLLM spawns the engine-core process, which inherits it
         seen["timeout"] = os.environ.get(WORKER_EXIT_TIMEOUT_ENV)
         return _AsyncLLMStandIn(None)
 
-    monkeypatch.setattr(vllm_engine, "build_engine_args", lambda spec: None)
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", from_engine_args)
+    args = SimpleNamespace(enable_log_requests=False, disable_log_stats=True)
+    monkeypatch.setattr(vllm_engine, "build_engine_args", lambda spec: args)
+    monkeypatch.setattr(vllm_engine, "engine_config", lambda args: None)
+    monkeypatch.setattr(AsyncLLM, "from_vllm_config", from_vllm_config)
     VLLMEngine.start(None)  # type: ignore[arg-type]
     assert seen["timeout"] == (preset or str(WORKER_EXIT_TIMEOUT_S))
 

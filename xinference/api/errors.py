@@ -10,7 +10,7 @@ connection.
 
 Status codes: 400 for a request the user can fix (``InvalidRequest``, a prompt the
 tokenizer cannot take or the context cannot hold, a bad launch option), 404 for an
-unknown model, 409 for a launch cancelled while it was awaited, 413 for a body over
+unknown model (naming the launched ones to a caller who may list them), 409 for a launch cancelled while it was awaited, 413 for a body over
 the server's limit (``body_limit.py``), 503 (with Retry-After) when no replica can
 serve, 500 for anything else.
 """
@@ -27,10 +27,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from ..core.dispatch import ReplicaUnavailable
-from ..core.messages import ServiceUnavailable
+from ..core.messages import ModelNotLaunched, ServiceUnavailable
 from ..core.options import LaunchOptionError
 from ..core.prompting import PromptRefused
 from ..core.supervisor import LaunchCancelled
+from .auth.permissions import MODELS_LIST
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,22 @@ class JsonErrors:
             await response(scope, receive, send)
 
 
+def _may_list_models(request: Request) -> bool:
+    """Whether the caller may see the launched models' uids (``GET /v1/models``):
+    anyone with authentication off."""
+    principal = getattr(request.state, "principal", None)
+    return principal is None or principal.may(MODELS_LIST)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the API can raise, answered with its status and a JSON body."""
 
     @app.exception_handler(LaunchOptionError)
     async def _bad_option(_: Request, error: LaunchOptionError) -> ErrorResponse:
+        # error_message: one raised in a replica's process comes through xoscar,
+        # whose str() puts "[address=..., pid=...]" before the message
         return ErrorResponse(
-            error_body(str(error), "invalid_request_error"), status_code=400
+            error_body(error_message(error), "invalid_request_error"), status_code=400
         )
 
     @app.exception_handler(InvalidRequest)
@@ -148,9 +158,10 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(LookupError)
-    async def _not_found(_: Request, error: LookupError) -> ErrorResponse:
-        return ErrorResponse(
-            error_body(error_message(error), "not_found_error"), status_code=404
-        )
+    async def _not_found(request: Request, error: LookupError) -> ErrorResponse:
+        message = error_message(error)
+        if isinstance(error, ModelNotLaunched) and _may_list_models(request):
+            message = f"{message}; {error.listing()}"
+        return ErrorResponse(error_body(message, "not_found_error"), status_code=404)
 
     app.add_middleware(JsonErrors)

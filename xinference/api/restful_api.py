@@ -8,6 +8,7 @@
     POST   /v1/models/{uid}/cancel    stop a launch in progress and tear it down
     GET    /v1/models/{uid}/replicas  each replica's own report (from its process)
     GET    /v1/models/{uid}/stats     each replica's counters and Xavier stats (JSON)
+    GET    /v1/model_registrations/LLM  the model names a launch takes
     POST   /v1/models/{uid}/prefix    who holds the longest cached prefix of a prompt
     DELETE /v1/models/{uid}           terminate (or cancel a launch: it answers 409);
                                       returns the final Xavier counters
@@ -48,8 +49,9 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from ..core.dispatch import ReplicaDispatcher
-from ..core.messages import DeploymentInfo
+from ..core.messages import DeploymentInfo, ReplicaStats
 from ..core.metrics import CONTENT_TYPE, ReplicaSample, render
+from ..core.registry import registered_models
 from ..core.supervisor import SupervisorActor
 from .auth import AuthMiddleware, AuthService, auth_router
 from .body_limit import BodyLimit
@@ -166,6 +168,23 @@ def create_app(
             return {"model_uid": launched}
         return _deployment_json(launched)
 
+    @app.get("/v1/model_registrations/{model_type}")
+    async def model_registrations(model_type: str) -> list[dict[str, Any]]:
+        """The model names a launch takes (``model_name``), as upstream's route
+        lists its registrations: the built-in offline models and the entries of
+        ``$XINFERENCE_HOME/models.json``. Only LLMs are served here."""
+        if model_type != "LLM":
+            raise LookupError(f"no {model_type!r} models here: only 'LLM' is served")
+        known = await asyncio.to_thread(registered_models)
+        return [
+            {
+                "model_name": name,
+                "is_builtin": model.build is not None,
+                "description": model.description,
+            }
+            for name, model in sorted(known.items())
+        ]
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         models = await hub()
@@ -228,7 +247,7 @@ def create_app(
         them, in JSON (``xavier`` is None with Xavier off)."""
         models = await hub()
         reports = await models.supervisor.collect_stats(model_uid)
-        return [dataclasses.asdict(replica) for replica in reports]
+        return [replica_stats_json(replica) for replica in reports]
 
     @app.post("/v1/models/{model_uid}/prefix")
     async def prefix(
@@ -316,6 +335,16 @@ async def _dispatcher(
             param=refused[0],
         )
     return await (await hub()).get(body.model)
+
+
+def replica_stats_json(replica: ReplicaStats) -> dict[str, Any]:
+    """A replica's stats as JSON, each ``XavierStats`` with its ``totals`` (both
+    tiers and both load paths summed: what the page shows)."""
+    data = dataclasses.asdict(replica)
+    if replica.xavier is not None:
+        data["xavier"] = replica.xavier.as_dict()
+    data["xavier_ranks"] = [ranks.as_dict() for ranks in replica.xavier_ranks]
+    return data
 
 
 def _upstream_description(deployment: DeploymentInfo) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -97,7 +98,7 @@ class Client:
         return {item["id"]: item for item in self._call("GET", "/v1/models")["data"]}
 
     def describe_model(self, model_uid: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/models/{model_uid}")
+        return self._call("GET", f"/v1/models/{_segment(model_uid)}")
 
     def progress(self, model_uid: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/models/{model_uid}/progress")
@@ -138,6 +139,10 @@ class Client:
         return response.text
 
     def get_model(self, model_uid: str) -> Model:
+        """A handle on a launched, serving model; a uid the server does not serve
+        raises here (``XinferenceError``, 404, naming the launched models), not at
+        the first call on the handle."""
+        self.describe_model(model_uid)
         return Model(self, model_uid)
 
     # ---- plumbing -----------------------------------------------------------------
@@ -153,6 +158,12 @@ class Client:
                 response.read()
                 _raise_for(response)
             yield from iter_sse(response.iter_lines())
+
+
+def _segment(model_uid: str) -> str:
+    """``model_uid`` as one path segment: a uid with ``/`` or ``?`` in it asks for
+    that model (and is refused as unknown), never another route."""
+    return quote(model_uid, safe="")
 
 
 class Model:

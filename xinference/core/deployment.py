@@ -43,6 +43,7 @@ class Deployment:
     # rank -> why it gets no requests for now (missed its last health probe)
     unresponsive: dict[int, str] = field(default_factory=dict)
     monitor: asyncio.Task[None] | None = None  # replica liveness, while ready
+    terminating_since: float | None = None  # when a terminate began (monotonic)
 
     def live_ranks(self, ranks: Iterable[int]) -> list[int]:
         return sorted(rank for rank in ranks if rank not in self.gone)
@@ -65,6 +66,13 @@ class Deployment:
             )
         return names.pop() if names else None
 
+    def _counted_from(self, state: str) -> float:
+        """Where ``elapsed_s`` counts from: the terminate while terminating
+        (not the launch, minutes before), else the launch."""
+        if state == "terminating" and self.terminating_since is not None:
+            return self.terminating_since
+        return self.started
+
     def progress(self) -> LaunchProgress:
         state, detail = self.state, self.detail
         if state == "ready" and (self.gone or self.unresponsive):
@@ -84,7 +92,7 @@ class Deployment:
             - len([r for r in self.unresponsive if r not in self.gone]),
             replicas_total=self.spec.replica,
             detail=detail,
-            elapsed_s=time.monotonic() - self.started,
+            elapsed_s=time.monotonic() - self._counted_from(state),
             fraction=(
                 1.0
                 if self.state == "ready"

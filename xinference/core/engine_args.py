@@ -13,8 +13,9 @@ seconds and plain launches need none of it.
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 # Engine arguments the deployment sets itself; the value says what to use instead.
@@ -79,6 +80,32 @@ def _parser() -> _RaisingParser:
     if not _PARSER:
         _PARSER.append(_RaisingParser())
     return _PARSER[0]
+
+
+def check_names(names: Iterable[str], launch_options: Collection[str]) -> None:
+    """Refuse a name that is neither one of ``launch_options`` nor a vLLM engine
+    argument, naming the closest of either (a misspelt ``replicas`` must not
+    reach the checks of the options it was meant for, which would see their
+    defaults). Names may use ``-`` or ``_``; vLLM is imported only for a name
+    that is not a launch option."""
+    free = sorted({name.replace("-", "_") for name in names} - set(launch_options))
+    if not free:
+        return
+    engine = _parser().names
+    for name in free:
+        if name in engine:
+            continue
+        close = difflib.get_close_matches(name, launch_options, n=1, cutoff=0.75)
+        close = close or difflib.get_close_matches(name, engine, n=1, cutoff=0.75)
+        hint = (
+            f"; did you mean {close[0]!r} (--{close[0].replace('_', '-')})?"
+            if close
+            else ""
+        )
+        raise EngineArgumentError(
+            f"unknown launch option {name!r}: neither an Xinference option nor "
+            f"a vLLM engine argument{hint}"
+        )
 
 
 def validate_engine_args(

@@ -6,6 +6,7 @@ these types only (they pickle through xoscar); a field renamed breaks at the sen
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +142,36 @@ class ReplicaFailed(ServiceUnavailable):
         return (type(self), (self.rank, self.reason))
 
 
+class ModelNotLaunched(LookupError):
+    """No model of this uid is launched (the HTTP API answers 404). ``launched``
+    names the models that are, as (uid, state), for the API to list to a caller
+    who may list models."""
+
+    def __init__(
+        self, model_uid: str, launched: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(f"model {model_uid!r} is not launched")
+        self.model_uid = model_uid
+        self.launched = tuple(launched)
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[ModelNotLaunched], tuple[str, tuple[tuple[str, str], ...]]]:
+        # Pickled across processes (xoscar): rebuild from the two fields.
+        return (type(self), (self.model_uid, self.launched))
+
+    def listing(self) -> str:
+        """The launched models in words: which to use instead."""
+        if not self.launched:
+            return "no model is launched"
+        models = ", ".join(f"{uid} ({state})" for uid, state in self.launched)
+        close = difflib.get_close_matches(
+            self.model_uid, [uid for uid, _ in self.launched], n=1
+        )
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"launched: {models}{hint}"
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchProgress:
     """A model's life so far, for `xinference launch` and `GET /v1/models/{uid}`."""
@@ -150,6 +181,7 @@ class LaunchProgress:
     replicas_ready: int
     replicas_total: int
     detail: str
+    # seconds since the launch began; while terminating, since the terminate did
     elapsed_s: float
     error: str | None = None
     # share of the launch's steps done, 0..1 (``launch_phases``); 1 once ready

@@ -69,57 +69,72 @@ _SKIPPED = (
 )
 _HELD_BYTES = "Bytes of snapshots held now, by tier"
 
+
+def _tiers(stat: str) -> tuple[str, ...]:
+    """``stat`` of both tiers' transfers."""
+    return (f"transport.{stat}", f"cpu_tier_transport.{stat}")
+
+
 # Exported series. A path absent from a replica's stats is left out of the scrape.
 XAVIER_METRICS: tuple[XavierMetric, ...] = (
     XavierMetric(
         "actor.device_tier_blocks_loaded", "xavier_remote_hits", _HITS, tier="device"
     ),
+    # the engine's lease-free READs (fast path) are device-tier hits too
+    XavierMetric(
+        "actor.direct_read_blocks", "xavier_remote_hits", _HITS, tier="device"
+    ),
     XavierMetric(
         "actor.cpu_tier_blocks_loaded", "xavier_remote_hits", _HITS, tier="cpu"
     ),
-    XavierMetric(
-        "actor.device_tier_blocks_loaded",
-        "xavier_external_tokens_loaded",
-        "Prompt tokens whose KV this replica loaded from a peer",
-        per_block_tokens=True,
-    ),
-    XavierMetric(
-        "actor.cpu_tier_blocks_loaded",
-        "xavier_external_tokens_loaded",
-        "Prompt tokens whose KV this replica loaded from a peer",
-        per_block_tokens=True,
+    *(
+        XavierMetric(
+            f"actor.{blocks}",
+            "xavier_external_tokens_loaded",
+            "Prompt tokens whose KV this replica loaded from a peer",
+            per_block_tokens=True,
+        )
+        for blocks in (
+            "device_tier_blocks_loaded",
+            "direct_read_blocks",
+            "cpu_tier_blocks_loaded",
+        )
     ),
     XavierMetric(
         "store.device_hits", "xavier_served_snapshots", _SERVED, tier="device"
     ),
     XavierMetric("store.cpu_hits", "xavier_served_snapshots", _SERVED, tier="cpu"),
-    # Bytes sum both tiers' transfers: the device-tier transport's and the CPU
-    # tier's replies (``XavierStats.cpu_tier_transport``); /stats has each apart.
+    # Bytes sum both tiers' transfers and both load paths: the device-tier
+    # transport's, the CPU tier's replies (``XavierStats.cpu_tier_transport``) and
+    # the engine's lease-free READs (received only: the loader READs, the holder
+    # sends nothing); /stats has each apart and their sums in ``totals``.
     *(
-        XavierMetric(f"{section}.{stat}", name, help_text)
-        for stat, name, help_text in (
+        XavierMetric(stat, name, help_text)
+        for name, help_text, stats in (
             (
-                "sent_wire_bytes",
                 "xavier_wire_bytes",
                 "Bytes this replica sent to peers' loads (both tiers)",
+                _tiers("sent_wire_bytes"),
             ),
             (
-                "sent_useful_bytes",
                 "xavier_useful_bytes",
                 "KV payload bytes this replica sent to peers' loads (both tiers)",
+                _tiers("sent_useful_bytes"),
             ),
             (
-                "received_wire_bytes",
                 "xavier_received_wire_bytes",
-                "Bytes this replica's loads received from peers (both tiers)",
+                "Bytes this replica's loads received from peers (both tiers, "
+                "lease-free READs included)",
+                (*_tiers("received_wire_bytes"), "actor.direct_read_wire_bytes"),
             ),
             (
-                "received_useful_bytes",
                 "xavier_received_useful_bytes",
-                "KV payload bytes this replica's loads received (both tiers)",
+                "KV payload bytes this replica's loads received (both tiers, "
+                "lease-free READs included)",
+                (*_tiers("received_useful_bytes"), "actor.direct_read_useful_bytes"),
             ),
         )
-        for section in ("transport", "cpu_tier_transport")
+        for stat in stats
     ),
     XavierMetric(
         "transport.registration_changes",

@@ -10,6 +10,8 @@ give the same errors.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import re
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT, XavierConfig, parse_size
-from .engine_args import EngineArgumentError, validate_engine_args
+from .engine_args import EngineArgumentError, check_names, validate_engine_args
 from .registry import registered_models
 from .sampling import DEFAULT_GENERATION_CONFIG, GENERATION_CONFIG_MODES
 
@@ -131,6 +133,11 @@ class LaunchSpec:
         Keys that are not options here are vLLM engine arguments (``engine_args``),
         checked by vLLM's own parser.
         """
+        # A misspelt option first: the checks below would see its default instead.
+        try:
+            check_names(engine_args, _launch_option_names())
+        except EngineArgumentError as error:
+            raise LaunchOptionError(str(error)) from None
         _check_upstream_options(
             model_type=model_type,
             model_format=model_format,
@@ -251,6 +258,19 @@ class LaunchSpec:
     def with_model_path(self, path: str) -> LaunchSpec:
         """The same spec once the registry resolved ``model_name`` to a directory."""
         return dataclasses.replace(self, model_path=path)
+
+
+@functools.cache
+def _launch_option_names() -> frozenset[str]:
+    """The options ``LaunchSpec.from_options`` names (its other keys are vLLM
+    engine arguments)."""
+    parameters = inspect.signature(LaunchSpec.from_options).parameters
+    return frozenset(
+        name
+        for name, parameter in parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        or parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    )
 
 
 def _xavier_config(

@@ -39,6 +39,7 @@ from .liveness import PROBE_TIMEOUT_S, LivenessMonitor
 from .messages import (
     DeploymentInfo,
     LaunchProgress,
+    ModelNotLaunched,
     ReplicaReport,
     ReplicaSpec,
     ReplicaStates,
@@ -449,6 +450,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             raise LaunchOptionError(f"model {model_uid!r} is {record.state}")
         record.state = "terminating"
         record.detail = "terminating"
+        record.terminating_since = time.monotonic()
         if record.monitor is not None:
             record.monitor.cancel()
             await asyncio.gather(record.monitor, return_exceptions=True)
@@ -529,7 +531,10 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
     def _record(self, model_uid: str) -> Deployment:
         record = self._models.get(model_uid)
         if record is None:
-            raise LookupError(f"model {model_uid!r} is not launched")
+            launched = tuple(
+                (uid, _listed_state(model)) for uid, model in self._models.items()
+            )
+            raise ModelNotLaunched(model_uid, launched)
         return record
 
     def _deployment_info(self, record: Deployment) -> DeploymentInfo:
@@ -553,6 +558,14 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             quantization=dict(spec.engine.extra).get("quantization"),
             unresponsive=dict(record.unresponsive),
         )
+
+
+def _listed_state(record: Deployment) -> str:
+    """A model's state as ``GET /v1/models`` lists it (a ready model with replicas
+    gone or unresponsive is degraded)."""
+    if record.state == "ready" and (record.gone or record.unresponsive):
+        return "degraded"
+    return record.state
 
 
 async def _launch_result(record: Deployment) -> DeploymentInfo:

@@ -33,7 +33,9 @@ import psutil
 
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
 from ..model.llm.vllm.xavier.hashing import model_namespace
+from .child_errors import ChildStderr, root_cause
 from .messages import GenerationChunk, GenerationRequest, ReplicaSpec
+from .options import LaunchOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,55 @@ def build_engine_args(spec: ReplicaSpec) -> Any:
     return AsyncEngineArgs(**kwargs)
 
 
+class EngineStartFailed(RuntimeError):
+    """vLLM's engine core failed to start; the message ends with its own error."""
+
+
+def engine_config(args: Any) -> Any:
+    """vLLM's config for ``args`` (a ``VllmConfig``), checked as far as it can be
+    before an engine core starts. vLLM validates its arguments here, in this
+    process and in its own words; a block size its attention backend cannot run
+    it finds out only once it allocates the KV cache, after loading the model,
+    so that is checked here too. Refusals are ``LaunchOptionError`` (a 400)."""
+    try:
+        config = args.create_engine_config()
+    except ValueError as error:  # pydantic's ValidationError is one too
+        raise LaunchOptionError(f"vLLM refused the engine settings: {error}") from None
+    _check_block_size(config)
+    return config
+
+
+def _check_block_size(config: Any) -> None:
+    """Refuse a block size the attention backend vLLM selects cannot run, with
+    vLLM's own message (``select_common_block_size``). Where the selection
+    itself fails, the engine's own start reports why."""
+    cache = config.cache_config
+    if not cache.user_specified_block_size:
+        return  # vLLM picks one its backend runs
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+        from vllm.v1.worker.utils import select_common_block_size
+
+        model = config.model_config
+        with set_current_vllm_config(config):
+            backend = get_attn_backend(
+                model.get_head_size(),
+                model.dtype,
+                cache.cache_dtype,
+                use_mla=model.use_mla,
+            )
+    except Exception as error:  # another vLLM, or a selection that fails
+        logger.debug("block size not checked before the engine starts: %r", error)
+        return
+    try:
+        select_common_block_size(cache.block_size, [backend])
+    except ValueError as error:
+        raise LaunchOptionError(
+            f"block_size {cache.block_size} is refused by vLLM: {error}"
+        ) from None
+
+
 class VLLMEngine:
     """An ``AsyncLLM`` plus the few facts the serving layer reads from its config."""
 
@@ -109,12 +160,33 @@ class VLLMEngine:
 
     @classmethod
     def start(cls, spec: ReplicaSpec) -> VLLMEngine:
-        """Build the engine. Blocking (tens of seconds): run it in a thread."""
+        """Build the engine. Blocking (tens of seconds): run it in a thread.
+
+        Settings vLLM refuses are refused before its engine core starts, where
+        they can be checked from its config (``engine_config``); an engine core
+        that fails to start anyway is reported with its own last words, which
+        vLLM leaves in the log ("See root cause above")."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         # inherited by the engine-core process vLLM spawns (see ``stop``)
         os.environ.setdefault(WORKER_EXIT_TIMEOUT_ENV, str(WORKER_EXIT_TIMEOUT_S))
-        return cls(AsyncLLM.from_engine_args(build_engine_args(spec)))
+        args = build_engine_args(spec)
+        config = engine_config(args)
+        with ChildStderr() as children:
+            try:
+                engine = AsyncLLM.from_vllm_config(
+                    config,
+                    enable_log_requests=args.enable_log_requests,
+                    disable_log_stats=args.disable_log_stats,
+                )
+            except Exception as error:
+                cause = root_cause(children.text())
+                if cause is None:
+                    raise
+                raise EngineStartFailed(
+                    f"vLLM's engine core did not start: {cause}"
+                ) from error
+        return cls(engine)
 
     @property
     def num_kv_blocks(self) -> int:

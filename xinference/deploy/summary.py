@@ -29,27 +29,18 @@ _FAULTS = (
 
 def summarize_xavier(stats: dict[str, Any]) -> str:
     """One line from ``XavierStats.as_dict()``: hits by tier, tokens and bytes
-    loaded, load p50/p95, snapshots served to peers, and faults."""
-    actor = stats.get("actor") or {}
-    device = int(actor.get("device_tier_blocks_loaded", 0))
-    cpu = int(actor.get("cpu_tier_blocks_loaded", 0))
+    loaded, loads by path (with the actor's p50/p95 and the lease-free READs'
+    mean), snapshots served to peers, and faults. Every figure counts both tiers
+    and both load paths (``totals``, ``XavierStats.totals``)."""
+    totals = stats.get("totals") or {}
+    device = int(totals.get("device_tier_blocks", 0))
+    cpu = int(totals.get("cpu_tier_blocks", 0))
     block_size = int((stats.get("engine") or {}).get("block_size", 0))
-    loaded_bytes = sum(
-        int((stats.get(section) or {}).get("received_useful_bytes", 0))
-        for section in ("transport", "cpu_tier_transport")
-    )
     hits = f"hits {device} device-tier + {cpu} CPU-tier blocks"
     if block_size:
         hits += f" ({(device + cpu) * block_size:,} tokens)"
-    parts = [hits, f"{format_size(loaded_bytes)} loaded"]
-    latency = stats.get("load_latency") or {}
-    if latency.get("p50_s") is not None:
-        parts.append(
-            f"load p50 {_ms(latency['p50_s'])}, p95 {_ms(latency['p95_s'])} "
-            f"({latency.get('count', 0)} loads)"
-        )
-    else:
-        parts.append("no loads")
+    loaded = format_size(int(totals.get("received_useful_bytes", 0)))
+    parts = [hits, f"{loaded} loaded", _loads(stats)]
     store = stats.get("store") or {}
     served = int(store.get("device_hits", 0)) + int(store.get("cpu_hits", 0))
     parts.append(f"served {served} snapshots to peers")
@@ -62,6 +53,30 @@ def summarize_xavier(stats: dict[str, Any]) -> str:
     if stats.get("mapping_error"):
         parts.append(f"mapping failed: {stats['mapping_error']}")
     return "; ".join(parts)
+
+
+def _loads(stats: dict[str, Any]) -> str:
+    """How many loads completed, by path: through the transfer actor (timed
+    by it: p50/p95) and lease-free READs by the engine (their mean)."""
+    totals = stats.get("totals") or {}
+    actor = stats.get("actor") or {}
+    through_actor = int(totals.get("actor_loads", 0))
+    lease_free = int(totals.get("lease_free_loads", 0))
+    if not through_actor + lease_free:
+        return "no loads"
+    paths = []
+    latency = stats.get("load_latency") or {}
+    if through_actor:
+        timed = ""
+        if latency.get("p50_s") is not None:
+            timed = f" (p50 {_ms(latency['p50_s'])}, p95 {_ms(latency['p95_s'])})"
+        paths.append(f"{through_actor} through the transfer actor{timed}")
+    if lease_free:
+        reads = int(actor.get("direct_reads", 0))
+        mean = float(actor.get("direct_read_seconds", 0.0)) / reads if reads else 0.0
+        paths.append(f"{lease_free} lease-free by the engine (mean {_ms(mean)})")
+    count = through_actor + lease_free
+    return f"{count} load{'' if count == 1 else 's'}: " + ", ".join(paths)
 
 
 def _ms(seconds: float) -> str:

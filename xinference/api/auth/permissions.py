@@ -49,6 +49,7 @@ PUBLIC_ROUTES: frozenset[tuple[str, str]] = frozenset(
 # (method, route path as declared) -> the permission it needs.
 ROUTE_PERMISSIONS: dict[tuple[str, str], str] = {
     ("GET", "/v1/models"): MODELS_LIST,
+    ("GET", "/v1/model_registrations/{model_type}"): MODELS_LIST,
     ("GET", "/v1/models/{model_uid}"): MODELS_READ,
     ("GET", "/v1/models/{model_uid}/progress"): MODELS_READ,
     ("GET", "/v1/models/{model_uid}/replicas"): MODELS_READ,

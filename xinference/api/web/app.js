@@ -58,6 +58,11 @@ function say(id, text, uid = null) {
   else aboutModel[id] = uid;
 }
 
+// "1 block", "2 blocks"
+function plural(count, word) {
+  return `${count} ${word}${count === 1 ? "" : "s"}`;
+}
+
 function ms(seconds) {
   return seconds === null || seconds === undefined ? "–" : `${(seconds * 1000).toFixed(2)} ms`;
 }
@@ -174,14 +179,53 @@ $("launch-form").addEventListener("submit", async (event) => {
 
 // ---- models and their replicas ----------------------------------------------------
 
+// Models whose Terminate was clicked and awaits its confirmation (the cards are
+// drawn again at every refresh, so the question lives here).
+const confirming = new Set();
+
 async function terminate(uid, button) {
   button.disabled = true;
   const response = await api("DELETE", `/v1/models/${encodeURIComponent(uid)}`);
   if (!response.ok) {
     button.disabled = false;
     $("connection").textContent = `Could not stop ${uid}: ${failure(response)}`;
+  } else {
+    // not tied to the model: its final counters stay once it is gone
+    say("models-status", finalCounters(uid, response.data.xavier_counters || {}));
   }
   refresh();
+}
+
+// What each replica moved, from the counters a terminate returns (both tiers
+// and both load paths, as the table had them).
+function finalCounters(uid, counters) {
+  const ranks = Object.keys(counters).sort((a, b) => Number(a) - Number(b));
+  if (!ranks.length) return `Stopped ${uid}.`;
+  const replicas = ranks.map((rank) => {
+    const moved = counters[rank].totals || {};
+    const blocks = (moved.device_tier_blocks ?? 0) + (moved.cpu_tier_blocks ?? 0);
+    return `replica ${rank} loaded ${plural(blocks, "block")} from peers ` +
+      `(${bytes(moved.received_useful_bytes ?? 0)}) in ${plural(moved.loads ?? 0, "load")} ` +
+      `and sent ${bytes(moved.sent_useful_bytes ?? 0)}`;
+  });
+  return `Terminated ${uid}. Final counters: ${replicas.join("; ")}.`;
+}
+
+// Terminate, or while it awaits confirmation, the question and its two answers.
+function terminateControls(model) {
+  const uid = model.id;
+  if (!confirming.has(uid)) {
+    const stop = el("button", { type: "button", text: "Terminate", "aria-label": `Terminate ${uid}` });
+    stop.addEventListener("click", () => { confirming.add(uid); refresh(); });
+    return stop;
+  }
+  const yes = el("button", { type: "button", text: "Yes, terminate", "aria-label": `Yes, terminate ${uid}` });
+  const keep = el("button", { type: "button", class: "secondary", text: "Keep serving", "aria-label": `Keep ${uid} serving` });
+  yes.addEventListener("click", () => { confirming.delete(uid); terminate(uid, yes); });
+  keep.addEventListener("click", () => { confirming.delete(uid); refresh(); });
+  return el("div", { class: "confirm", role: "group", "aria-label": `Terminate ${uid}?` },
+    el("span", { text: `Terminate ${uid}? Its engines stop; its final counters are shown above.` }),
+    yes, keep);
 }
 
 function launchingCard(model, progress) {
@@ -223,6 +267,9 @@ function replicaFigures(replica) {
   if (!x) return rows;
   const store = x.store || {};
   const transport = x.transport || {};
+  // both tiers and both load paths (the actor's loads and the engine's
+  // lease-free READs), summed by the server as /metrics sums them
+  const moved = x.totals || {};
   const tier = (name) => {
     const held = store[`${name}_snapshots`] || 0;
     const capacity = store[`${name}_capacity_blocks`] || 0;
@@ -230,17 +277,18 @@ function replicaFigures(replica) {
     const budget = held ? (used / held) * capacity : null;
     return `${held} / ${capacity} snapshots (${bytes(used)}${budget === null ? "" : ` of ${bytes(budget)}`})`;
   };
-  const device = x.actor.device_tier_blocks_loaded;
-  const cpu = x.actor.cpu_tier_blocks_loaded;
+  const device = moved.device_tier_blocks ?? 0;
+  const cpu = moved.cpu_tier_blocks ?? 0;
   rows.push(
     ["Device tier", tier("device")],
     ["CPU tier", tier("cpu")],
     ["Remote hits (device)", device],
     ["Remote hits (CPU)", cpu],
     ["External tokens", (device + cpu) * replica.block_size],
-    ["Received wire / useful", `${bytes(transport.received_wire_bytes)} / ${bytes(transport.received_useful_bytes)}`],
-    ["Sent wire / useful", `${bytes(transport.sent_wire_bytes)} / ${bytes(transport.sent_useful_bytes)}`],
-    ["Load p50 / p95", `${ms(x.load_latency.p50_s)} / ${ms(x.load_latency.p95_s)}`],
+    ["Received wire / useful", `${bytes(moved.received_wire_bytes)} / ${bytes(moved.received_useful_bytes)}`],
+    ["Sent wire / useful", `${bytes(moved.sent_wire_bytes)} / ${bytes(moved.sent_useful_bytes)}`],
+    ["Loads (actor / lease-free)", `${moved.loads ?? 0} (${moved.actor_loads ?? 0} / ${moved.lease_free_loads ?? 0})`],
+    ["Actor load p50 / p95", `${ms(x.load_latency.p50_s)} / ${ms(x.load_latency.p95_s)}`],
     ["Registration changes", transport.registration_changes ?? "–"],
     ["Demotions", store.demotions ?? "–"],
     ["Skips", store.skips ?? "–"],
@@ -251,15 +299,13 @@ function replicaFigures(replica) {
 
 function readyCard(model, stats) {
   const card = el("article", { class: "model", "aria-label": `Model ${model.id}` });
-  const stop = el("button", { type: "button", text: "Terminate", "aria-label": `Terminate ${model.id}` });
-  stop.addEventListener("click", () => terminate(model.id, stop));
   card.append(
     el("h3", { text: `${model.id} — ${model.status}` }),
     el("p", { class: "detail", text: `${model.xavier} · router ${model.router} · ${model.replica} replicas` }),
   );
   // A degraded model still serves on its other replicas: say which do not, and why.
   if (model.detail) card.append(el("p", { class: "detail degraded", text: model.detail }));
-  card.append(stop);
+  card.append(terminateControls(model));
   if (!stats.length) return card;
   // One column per replica, one row per figure: stays narrow for a few replicas.
   const figures = stats.map((replica) => replicaFigures(replica));
@@ -314,6 +360,9 @@ async function refresh() {
       return readyCard(model, stats.ok ? stats.data : []);
     }));
     $("models").replaceChildren(...(cards.length ? cards : [el("p", { class: "empty", text: "No model is launched." })]));
+    for (const uid of confirming) {
+      if (!models.some((model) => model.id === uid && serving(model))) confirming.delete(uid);
+    }
     fillModelSelects(models.filter(serving));
     // a finished launch's status and a chat error go with their model
     const listed = new Set(models.map((model) => model.id));
@@ -323,6 +372,10 @@ async function refresh() {
     $("connection").textContent = `Updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
     $("connection").textContent = `Cannot reach the server: ${error.message}`;
+    // what the page showed may be gone with the server: say so, not "No model"
+    $("models").replaceChildren(el("p", {
+      class: "empty", text: "The server does not answer: which models run is unknown until it does.",
+    }));
   } finally {
     refreshing = false;
   }
@@ -344,7 +397,7 @@ $("prefix-form").addEventListener("submit", async (event) => {
   const hit = response.data;
   result.textContent = hit.holder === null
     ? `No replica holds a cached prefix of this prompt (${hit.prompt_tokens} tokens).`
-    : `Replica ${hit.holder} holds ${hit.prefix_blocks} blocks: ${hit.prefix_tokens} of ${hit.prompt_tokens} prompt tokens.`;
+    : `Replica ${hit.holder} holds ${plural(hit.prefix_blocks, "block")}: ${hit.prefix_tokens} of ${hit.prompt_tokens} prompt tokens.`;
 });
 
 $("chat-form").addEventListener("submit", async (event) => {
@@ -387,5 +440,15 @@ $("chat-form").addEventListener("submit", async (event) => {
   }
 });
 
+// The model names a launch takes, offered as the model box's suggestions (none
+// for a caller who may not list them: the box takes any name or path).
+async function fillModelNames() {
+  const response = await api("GET", "/v1/model_registrations/LLM");
+  if (!response.ok || !Array.isArray(response.data)) return;
+  $("model-names").replaceChildren(...response.data.map((model) =>
+    el("option", { value: model.model_name, label: model.description || model.model_name })));
+}
+
+fillModelNames().catch(() => {});
 refresh();
 setInterval(refresh, REFRESH_MS);

@@ -85,6 +85,9 @@ _FROM_CONNECTOR_TOTALS = (
     ("direct_reads", "direct_reads"),
     ("direct_reads_stale", "direct_reads_stale"),
     ("direct_read_seconds", "direct_read_seconds"),
+    ("direct_read_blocks", "direct_read_blocks"),
+    ("direct_read_wire_bytes", "direct_read_wire_bytes"),
+    ("direct_read_useful_bytes", "direct_read_useful_bytes"),
     ("worker_staged_blocks", "staged_blocks"),
     ("stage_skipped_ring_full", "stage_skipped_ring_full"),
     ("stage_skipped_no_ring", "stage_skipped_no_ring"),
@@ -119,6 +122,9 @@ class ActorCounters:
     direct_reads: int = 0
     direct_reads_stale: int = 0
     direct_read_seconds: float = 0.0  # those loads' own time, summed
+    direct_read_blocks: int = 0  # the blocks they loaded (verified, kept)
+    direct_read_wire_bytes: int = 0  # what their READs brought in
+    direct_read_useful_bytes: int = 0
     # ... and the blocks it was asked to stage, by what became of them
     worker_staged_blocks: int = 0
     stage_skipped_ring_full: int = 0
@@ -163,6 +169,31 @@ class EngineInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadTotals:
+    """What a replica moved, over both tiers and both load paths: the figures a
+    person reads (the page, ``terminate``'s summary, ``/metrics``' byte series).
+
+    A block reaches a replica two ways: a load its transfer actor runs and times
+    (from either tier: ``transport`` or ``cpu_tier_transport``), or a lease-free
+    READ the engine process runs itself on the fast path (``actor.direct_read_*``,
+    device tier only, never seen by the actor). ``loads`` counts both paths'
+    completed loads, ``actor_loads`` and ``lease_free_loads`` each; blocks and
+    received bytes sum them. Sent bytes are the holder side's, both tiers (a NIXL
+    holder sends nothing itself: the loader READs).
+    """
+
+    device_tier_blocks: int = 0
+    cpu_tier_blocks: int = 0
+    loads: int = 0
+    actor_loads: int = 0
+    lease_free_loads: int = 0
+    received_wire_bytes: int = 0
+    received_useful_bytes: int = 0
+    sent_wire_bytes: int = 0
+    sent_useful_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class XavierStats:
     """Everything a replica's transfer actor counts. ``store``, ``transport``,
     ``cpu_tier_transport`` and ``engine`` are None until the engine's caches are
@@ -189,9 +220,34 @@ class XavierStats:
     def mapped(self) -> bool:
         return self.store is not None
 
+    def totals(self) -> LoadTotals:
+        """Blocks, loads and bytes over both tiers and both load paths."""
+        actor = self.actor
+        tiers = [t for t in (self.transport, self.cpu_tier_transport) if t]
+
+        def moved(name: str) -> int:
+            return sum(getattr(tier, name) for tier in tiers)
+
+        lease_free = actor.direct_reads - actor.direct_reads_stale
+        return LoadTotals(
+            device_tier_blocks=actor.device_tier_blocks_loaded
+            + actor.direct_read_blocks,
+            cpu_tier_blocks=actor.cpu_tier_blocks_loaded,
+            loads=actor.loads_ok + lease_free,
+            actor_loads=actor.loads_ok,
+            lease_free_loads=lease_free,
+            received_wire_bytes=moved("received_wire_bytes")
+            + actor.direct_read_wire_bytes,
+            received_useful_bytes=moved("received_useful_bytes")
+            + actor.direct_read_useful_bytes,
+            sent_wire_bytes=moved("sent_wire_bytes"),
+            sent_useful_bytes=moved("sent_useful_bytes"),
+        )
+
     def as_dict(self) -> dict[str, Any]:
-        """Nested plain data, for JSON and the console."""
-        return asdict(self)
+        """Nested plain data, for JSON and the console, with ``totals`` (the
+        figures of ``totals()``) beside the counters they come from."""
+        return asdict(self) | {"totals": asdict(self.totals())}
 
 
 # Upper bounds in seconds: a direct NIXL load on one GPU takes about 0.1 ms, a load

@@ -188,7 +188,8 @@ class ConnectorTotals:
     fills its own fields and leaves the others 0.
 
     Worker half: ``direct_*``, the lease-free loads it READ itself (all, those
-    failed as stale, their own time summed); ``staged_blocks``, blocks copied
+    failed as stale, their own time summed, the blocks they loaded and kept, the
+    bytes their READs brought in); ``staged_blocks``, blocks copied
     into its staging ring and handed to the actor; ``stage_skipped_*``, blocks
     it was asked to stage but did not (no free ring slot, no ring, caches not
     mapped yet); ``ring_slots_retired``, slots of stagings the actor never
@@ -208,6 +209,9 @@ class ConnectorTotals:
     stagings_failed: int = 0
     worker_engine_seconds: float = 0.0
     scheduler_engine_seconds: float = 0.0
+    direct_read_blocks: int = 0
+    direct_read_wire_bytes: int = 0
+    direct_read_useful_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,12 @@ async def test_a_lease_free_load_lands_in_the_engine_blocks(holder):
         assert outcome == {"ok": None}
         assert block_bytes(cache, 5) == {3} and block_bytes(cache, 2) == {4}
         assert reads.loads == 1 and reads.stale == 0
+        # what the page and terminate's summary count as this load's hits and bytes
+        assert reads.blocks == 2
+        assert (
+            reads.useful_bytes == 2 * GEOMETRY.num_layers * GEOMETRY.layer_block_nbytes
+        )
+        assert reads.wire_bytes >= reads.useful_bytes
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()
@@ -133,6 +139,7 @@ async def test_a_slot_reused_after_its_location_was_published_fails_the_load(hol
         # what would have been reported loaded without the check
         assert block_bytes(cache, 6) == {7}
         assert reads.loads == 2 and reads.stale == 1
+        assert reads.blocks == 1  # the fresh one's: the stale load kept none
         # ... and the metrics say so, through the loader's transfer actor
         exported = await asyncio.to_thread(exported_counts, loop, reads)
         seconds = exported.pop("xavier_direct_read_seconds")
@@ -194,6 +201,7 @@ async def test_a_stale_block_in_the_middle_fails_only_from_itself_on(holder):
         assert outcome["mid"].failed_blocks(load.dst_block_ids) == (2, 3)
         assert block_bytes(cache, 1) == {4}
         assert reads.loads == 1 and reads.stale == 1
+        assert reads.blocks == 1  # block 0, before the first stale one
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()

@@ -43,6 +43,7 @@ from ..aio import BackgroundLoop, with_deadline
 from ..engine.blocks import BlockMajorCache
 from ..engine.device import DeviceWorkMark
 from ..engine.layout import detect_layout
+from ..stats import TransportStats
 from ..store.generations import mismatches
 from ..transports.nixl.generation_words import read_words
 from ..transports.nixl.placement import PLACEMENT_SLAB
@@ -107,6 +108,9 @@ class DirectReads:
         # the loads' own time (their READs, scatters and word checks), summed: with
         # ``loads``, the mean a lease-free load took, which no actor sees
         self.seconds = 0.0
+        # the blocks those loads brought the engine and it kept: all of a verified
+        # load's, a stale one's before its first stale block
+        self.blocks = 0
 
     # ---- setup (off any hit's path) ---------------------------------------------
 
@@ -228,6 +232,10 @@ class DirectReads:
             with fence.lock:
                 if not fence.closed:  # else the engine thread reported it
                     outcomes[req.load_id] = error
+                    if error is None:
+                        self.blocks += len(req.grant.keys)
+                    elif isinstance(error, StaleLoad):
+                        self.blocks += error.first
 
         await asyncio.gather(*(one(req) for req in requests))
 
@@ -282,6 +290,20 @@ class DirectReads:
             self.stale += 1
             return StaleLoad.of(grant, stale)
         return None
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this agent's READs brought in (rows; generation words apart)."""
+        return self._received().received_wire_bytes
+
+    @property
+    def useful_bytes(self) -> int:
+        """Of those, the rows' payload the loads asked for."""
+        return self._received().received_useful_bytes
+
+    def _received(self) -> TransportStats:
+        transport = self._transport
+        return TransportStats() if transport is None else transport.stats()
 
     # ---- plumbing -----------------------------------------------------------------
 
