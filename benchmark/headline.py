@@ -52,6 +52,16 @@ UNIQUE = Pair(
 )
 
 
+# The write path's runs (``write_path.py`` JSON): 8B shape on an H100, the first
+# version of the write path that never waits (benchmark/results/write-path.md);
+# Xavier off in one call and on in the next, on the same warm machine.
+WRITE_PATH = Pair(
+    "h100-write-path/off-1.json",
+    "h100-write-path/on-1.json",
+    "Llama-3.1-8B shape, vLLM 0.26.0, two replicas on one H100, HTTP, 2026-12-07",
+)
+
+
 def _phases(path: str) -> dict[str, Any]:
     phases: dict[str, Any] = json.loads((RESULTS / path).read_text())["phases"]
     return phases
@@ -91,6 +101,51 @@ def rows() -> Iterator[tuple[str, str, float, float, str]]:
         off["unique"]["warm_requests_per_s"],
         on["unique"]["warm_requests_per_s"],
         UNIQUE.setup,
+    )
+    yield from _write_path_rows()
+
+
+def _write_path_rows() -> Iterator[tuple[str, str, float, float, str]]:
+    """Long-document QA, where KV must move, long prompts with nothing shared
+    and the seed's shared prefixes: what the 8B runs measured."""
+    off, on = WRITE_PATH.load()
+    docqa = on["docqa"]["shape"]
+    documents = (
+        f"{docqa['docs']} documents of {docqa['doc_tokens']:,} tokens, "
+        f"{docqa['questions']} questions each at concurrency {docqa['concurrency']}"
+    )
+    for part, what in (
+        ("cold", "first round (cold prefills)"),
+        ("later", "later rounds (on: KV loaded from the other replica)"),
+    ):
+        yield (
+            f"Long-document QA ({documents}), {what}: TTFT p50",
+            "ms",
+            off["docqa"][part]["ttft_p50_ms"],
+            on["docqa"][part]["ttft_p50_ms"],
+            WRITE_PATH.setup,
+        )
+    unique = on["unique"]["shape"]
+    for off_row, on_row in zip(off["unique"]["rows"], on["unique"]["rows"]):
+        assert off_row["concurrency"] == on_row["concurrency"]
+        yield (
+            f"Nothing shared ({unique['requests']} prompts of "
+            f"{unique['prompt_tokens']:,} tokens at concurrency "
+            f"{on_row['concurrency']}): throughput",
+            "req/s",
+            off_row["requests_per_s"],
+            on_row["requests_per_s"],
+            WRITE_PATH.setup,
+        )
+    seed = on["seed"]["shape"]
+    yield (
+        f"Shared prefixes ({seed['groups']} prefixes of {seed['prefix_tokens']:,} "
+        f"tokens, {seed['warm']} requests at concurrency {seed['concurrency']}, "
+        "round robin): throughput",
+        "req/s",
+        off["seed"]["warm_requests_per_s"],
+        on["seed"]["warm_requests_per_s"],
+        WRITE_PATH.setup,
     )
 
 
