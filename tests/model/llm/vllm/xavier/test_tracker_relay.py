@@ -1,6 +1,8 @@
 """A host's tracker relay, with the tracker and the relay each a real actor in its
 own process of a real xoscar pool (the tracker in the main pool, the relay in a
-sub-pool), and mirrors that are the replicas' own ``TrackerMirror``."""
+sub-pool), and mirrors that are the replicas' own ``TrackerMirror``. The pool is
+the module's; each test has a tracker and a relay of its own, destroyed after it.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import xoscar as xo
 from xoscar.errors import ActorNotExist
 
@@ -32,6 +35,9 @@ from xinference.model.llm.vllm.xavier.wire import (
     PrefixHit,
     TrackerChanges,
 )
+
+# every test runs on the module's loop, the one the module's pool lives on
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 KEYS = hash_full_blocks(list(range(16 * 8)), 16, "relay-test")
 OTHER = hash_full_blocks(list(range(1000, 1000 + 16 * 4)), 16, "relay-test")
@@ -79,37 +85,52 @@ async def start_tracker(address: str, cls: type = BlockTrackerActor) -> Any:
     return tracker
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool() -> AsyncIterator[tuple[str, str]]:
+    """The main pool's address (the tracker's) and its sub-pool's (the relay's)."""
+    made = await xo.create_actor_pool("127.0.0.1", n_process=1)
+    async with made:
+        config = await xo.get_pool_config(made.external_address)
+        main, sub = list(config.get_external_addresses())
+        yield main, sub
+
+
 @contextlib.asynccontextmanager
 async def tracker_and_relay(
-    tracker_class: type = BlockTrackerActor, **relay_options: Any
+    pool: tuple[str, str],
+    tracker_class: type = BlockTrackerActor,
+    **relay_options: Any,
 ) -> AsyncIterator[Setup]:
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
-    async with pool:
-        config = await xo.get_pool_config(pool.external_address)
-        main, sub = list(config.get_external_addresses())
-        tracker = await start_tracker(main, tracker_class)
-        relay = await xo.create_actor(
-            TrackerRelayActor,
-            main,
-            "trk",
-            **{"rpc_timeout_s": 1.0, "wait_s": 0.5, "retry_s": 0.2, **relay_options},
-            address=sub,
-            uid="relay",
-        )
+    main, sub = pool
+    tracker = await start_tracker(main, tracker_class)
+    relay = await xo.create_actor(
+        TrackerRelayActor,
+        main,
+        "trk",
+        **{"rpc_timeout_s": 1.0, "wait_s": 0.5, "retry_s": 0.2, **relay_options},
+        address=sub,
+        uid="relay",
+    )
+    try:
         # until its first poll is answered a relay refuses mirrors (as not ready)
         await eventually(lambda: _connected(relay))
         yield Setup(tracker, relay, main)
+    finally:
+        # the relay first: it ends its poll at the tracker as it leaves
         if await xo.has_actor(relay):
             await xo.destroy_actor(relay)
+        # a test may have replaced the tracker (same address and uid)
+        with contextlib.suppress(xo.ActorNotExist):
+            await xo.destroy_actor(await xo.actor_ref(main, "trk"))
 
 
 async def _connected(relay: Any) -> bool:
     return (await relay.stats())["connected"]
 
 
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
-    async with tracker_and_relay() as made:
+@pytest_asyncio.fixture(loop_scope="module")
+async def setup(pool: tuple[str, str]) -> AsyncIterator[Setup]:
+    async with tracker_and_relay(pool) as made:
         yield made
 
 
@@ -302,8 +323,8 @@ async def test_without_the_tracker_updates_fail_loudly_and_mirrors_stop(setup):
         await stop([relayed])
 
 
-async def test_a_mirror_behind_the_relays_log_gets_a_fresh_snapshot():
-    async with tracker_and_relay(log_keys=4) as setup:
+async def test_a_mirror_behind_the_relays_log_gets_a_fresh_snapshot(pool):
+    async with tracker_and_relay(pool, log_keys=4) as setup:
         relay, tracker = setup.relay, setup.tracker
         base = (await relay.mirror_changes(0, -1, 0.0)).version
         keys = list(KEYS) + list(OTHER)
@@ -349,10 +370,10 @@ async def test_the_relay_follows_a_tracker_that_comes_back(setup):
         await stop([relayed])
 
 
-async def test_a_relay_ends_its_poll_at_the_tracker_when_destroyed():
+async def test_a_relay_ends_its_poll_at_the_tracker_when_destroyed(pool):
     """Its poll waits up to 30 s here: destroying the relay wakes it at the tracker
     instead of waiting it out or leaving it to be answered into a closed pool."""
-    async with tracker_and_relay(wait_s=30.0, rpc_timeout_s=3.0) as setup:
+    async with tracker_and_relay(pool, wait_s=30.0, rpc_timeout_s=3.0) as setup:
         await asyncio.sleep(0.3)  # the relay's poll now waits at the tracker
         started = time.monotonic()
         await xo.destroy_actor(setup.relay)
@@ -360,12 +381,12 @@ async def test_a_relay_ends_its_poll_at_the_tracker_when_destroyed():
         assert not await xo.has_actor(setup.relay)
 
 
-async def test_records_that_do_not_match_the_versions_restart_the_relays_log():
+async def test_records_that_do_not_match_the_versions_restart_the_relays_log(pool):
     """An answer with fewer records than the versions it advances: the relay
     cannot tell which version each record is, so it starts its log again there,
     and a mirror that applied less gets the whole index, never records numbered
     wrongly (or none, and a mirror that skipped a change)."""
-    async with tracker_and_relay(tracker_class=SpoilingTracker) as setup:
+    async with tracker_and_relay(pool, SpoilingTracker) as setup:
         relay, tracker = setup.relay, setup.tracker
         await tracker.update_blocks(1, b"", pack_keys(KEYS[:2]))
         before = (await tracker.mirror_versions())[-1]
@@ -382,12 +403,12 @@ async def test_records_that_do_not_match_the_versions_restart_the_relays_log():
         assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
 
 
-async def test_a_mirror_older_than_the_relays_log_base_gets_a_snapshot():
+async def test_a_mirror_older_than_the_relays_log_base_gets_a_snapshot(pool):
     """The tracker answers the relay with the whole index (as it does once its
     own log no longer reaches the relay's version): the relay's log starts
     there, and a mirror that applied less gets a snapshot, never "nothing new"
     (which would let it skip the change and keep a stale index)."""
-    async with tracker_and_relay(tracker_class=SpoilingTracker) as setup:
+    async with tracker_and_relay(pool, SpoilingTracker) as setup:
         relay, tracker = setup.relay, setup.tracker
         before = (await relay.mirror_changes(0, -1, 0.0)).version
         await tracker.spoil("snapshot")
