@@ -30,6 +30,7 @@ from ..actor.test_parts import FakeTransport, request, runner_for, staged_holder
 # The slow holder's time per row. The load has 4 keys of 3 layers, 12 rows: at
 # least 1.2 s, far past the deadlines below (0.3 s, 0.6 s) however loaded the host.
 ROW_S = 0.1
+LOAD_TIMEOUT_S = 0.3  # the actor's wait for a load gives up after this
 
 
 @pytest.fixture
@@ -104,10 +105,14 @@ class SlowActor:
 
 
 @pytest.mark.parametrize(
-    "answers", [True, False], ids=["actor-gives-up", "actor-stops-answering"]
+    "answers, rpc_timeout_s",
+    # the worker's own deadline: LOAD_TIMEOUT_S + rpc_timeout_s; generous where
+    # the actor answers, below the load's 1.2 s where it does not
+    [(True, 2.0), (False, 0.3)],
+    ids=["actor-gives-up", "actor-stops-answering"],
 )
 def test_a_synchronous_load_past_its_deadline_is_cancelled_before_it_fails(
-    loop, answers
+    loop, answers, rpc_timeout_s
 ):
     """The actor's wait gives up at the load deadline (TimeoutError), or the actor
     stops answering and the worker's own deadline passes: either way, by the
@@ -123,7 +128,7 @@ def test_a_synchronous_load_past_its_deadline_is_cancelled_before_it_fails(
     runner, _, _ = runner_for(holder, transport)
     actor = SlowActor(runner, answers)
     worker = WorkerSide(
-        settings(load_timeout_s=0.3, rpc_timeout_s=0.3),
+        settings(load_timeout_s=LOAD_TIMEOUT_S, rpc_timeout_s=rpc_timeout_s),
         loop,
         actor_factory=lambda: None,  # type: ignore
     )
