@@ -3,7 +3,10 @@
 - ``nixl_pool`` / the ``cluster`` fixture: a real xoscar pool whose main process is
   the test process and whose sub-pools are separate processes on ``nixl://``
   addresses (``xo.copy_to`` between them is a real NIXL DRAM WRITE), with the block
-  tracker in the main pool.
+  tracker in the main pool. ``shared_pools`` / ``shared_cluster`` (also named
+  ``cluster`` for the tests) keep the pools for a whole module, with a tracker and
+  replicas of each test's own (its tests run on the module's loop:
+  ``ON_SHARED_POOLS``).
 - ``SyntheticEngine``: what a vLLM worker holds, without vLLM. It allocates
   per-layer KV tensors in a given layout in the test process, as views of one
   allocation like vLLM's CPU backend, shares them with ``device.export_tensors``
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import torch
 import xoscar as xo
 
@@ -198,6 +202,7 @@ class Cluster:
         self.addresses = addresses
         self.tracker = tracker
         self.tracker_address = addresses[0]
+        self.replicas: list[Any] = []  # the transfer actors added, in order
 
     def sub_pool(self, rank: int) -> str:
         return self.addresses[1 + rank]
@@ -232,6 +237,7 @@ class Cluster:
             address=self.sub_pool(rank),
             uid=transfer_actor_uid(MODEL, rank),
         )
+        self.replicas.append(ref)
         if map_caches:
             identity = await ref.map_engine_caches(
                 engine.handles, engine.spec.num_blocks, MODEL, engine.spec.block_size
@@ -248,6 +254,37 @@ async def cluster() -> AsyncIterator[Cluster]:
             BlockTrackerActor, address=addresses[0], uid=tracker_uid(MODEL)
         )
         yield Cluster(addresses, tracker)
+
+
+# The mark of a test that uses ``shared_cluster``: it runs on the module's loop,
+# the one the shared pools live on.
+ON_SHARED_POOLS = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shared_pools() -> AsyncIterator[list[str]]:
+    """The pools of ``cluster`` for a whole module: starting the sub-pool
+    processes costs more than most tests."""
+    async with nixl_pool(2) as addresses:
+        yield addresses
+
+
+@pytest_asyncio.fixture(loop_scope="module", name="cluster")
+async def shared_cluster(shared_pools: list[str]) -> AsyncIterator[Cluster]:
+    """``cluster`` on the module's pools: a tracker of the test's own, and the
+    replicas the test adds and that tracker destroyed after it, so the next test
+    starts from empty actors in the same processes."""
+    tracker = await xo.create_actor(
+        BlockTrackerActor, address=shared_pools[0], uid=tracker_uid(MODEL)
+    )
+    made = Cluster(shared_pools, tracker)
+    try:
+        yield made
+    finally:
+        for ref in reversed(made.replicas):  # each drains and closes first
+            with contextlib.suppress(xo.ActorNotExist):
+                await xo.destroy_actor(ref)
+        await xo.destroy_actor(tracker)
 
 
 def new_id(prefix: str) -> str:

@@ -1,16 +1,20 @@
 """A host's tracker relay, with the tracker and the relay each a real actor in its
 own process of a real xoscar pool (the tracker in the main pool, the relay in a
-sub-pool), and mirrors that are the replicas' own ``TrackerMirror``."""
+sub-pool), and mirrors that are the replicas' own ``TrackerMirror``. The pool is
+the module's; each test has a tracker and a relay of its own, destroyed after it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import xoscar as xo
 from xoscar.errors import ActorNotExist
 
@@ -19,13 +23,21 @@ from xinference.model.llm.vllm.xavier.change_log import (
     decode_changes,
     pack_keys,
     pack_locations,
+    split_records,
 )
 from xinference.model.llm.vllm.xavier.hashing import hash_full_blocks
 from xinference.model.llm.vllm.xavier.stats import ActorCounters
 from xinference.model.llm.vllm.xavier.tracker import BlockTrackerActor
 from xinference.model.llm.vllm.xavier.tracker_mirror import TrackerMirror
 from xinference.model.llm.vllm.xavier.tracker_relay import TrackerRelayActor
-from xinference.model.llm.vllm.xavier.wire import IndexChange, PrefixHit
+from xinference.model.llm.vllm.xavier.wire import (
+    IndexChange,
+    PrefixHit,
+    TrackerChanges,
+)
+
+# every test runs on the module's loop, the one the module's pool lives on
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 KEYS = hash_full_blocks(list(range(16 * 8)), 16, "relay-test")
 OTHER = hash_full_blocks(list(range(1000, 1000 + 16 * 4)), 16, "relay-test")
@@ -39,53 +51,106 @@ class Setup:
         self.tracker_address = tracker_address
 
 
-async def start_tracker(address: str) -> Any:
-    tracker = await xo.create_actor(BlockTrackerActor, address=address, uid="trk")
+class SpoilingTracker(BlockTrackerActor):
+    """The tracker, except that the first answer with changes it gives a relay
+    after ``spoil`` is spoiled: ``"drop"`` leaves its last record out (fewer
+    records than the versions it advances), ``"snapshot"`` answers with the whole
+    index instead, as a tracker whose log no longer reaches the relay's version
+    answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spoil: str | None = None
+
+    def spoil(self, how: str) -> None:
+        self._spoil = how
+
+    async def relay_changes(
+        self, relay: str, versions: dict[int, int], since: int, wait_s: float
+    ) -> TrackerChanges:
+        answer = await super().relay_changes(relay, versions, since, wait_s)
+        if self._spoil is None or answer.reset or not answer.packed:
+            return answer
+        how, self._spoil = self._spoil, None
+        if how == "snapshot":
+            return self.snapshot()
+        kept = b"".join(split_records(answer.packed)[:-1])
+        return dataclasses.replace(answer, packed=kept)
+
+
+async def start_tracker(address: str, cls: type = BlockTrackerActor) -> Any:
+    tracker = await xo.create_actor(cls, address=address, uid="trk")
     for rank, replica in enumerate(ADDRESSES):
         await tracker.register_replica(rank, replica)
     return tracker
 
 
-@contextlib.asynccontextmanager
-async def tracker_and_relay(**relay_options: Any) -> AsyncIterator[Setup]:
-    pool = await xo.create_actor_pool("127.0.0.1", n_process=1)
-    async with pool:
-        config = await xo.get_pool_config(pool.external_address)
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool() -> AsyncIterator[tuple[str, str]]:
+    """The main pool's address (the tracker's) and its sub-pool's (the relay's)."""
+    made = await xo.create_actor_pool("127.0.0.1", n_process=1)
+    async with made:
+        config = await xo.get_pool_config(made.external_address)
         main, sub = list(config.get_external_addresses())
-        tracker = await start_tracker(main)
-        relay = await xo.create_actor(
-            TrackerRelayActor,
-            main,
-            "trk",
-            **{"rpc_timeout_s": 1.0, "wait_s": 0.5, "retry_s": 0.2, **relay_options},
-            address=sub,
-            uid="relay",
-        )
+        yield main, sub
+
+
+@contextlib.asynccontextmanager
+async def tracker_and_relay(
+    pool: tuple[str, str],
+    tracker_class: type = BlockTrackerActor,
+    **relay_options: Any,
+) -> AsyncIterator[Setup]:
+    main, sub = pool
+    tracker = await start_tracker(main, tracker_class)
+    relay = await xo.create_actor(
+        TrackerRelayActor,
+        main,
+        "trk",
+        **{"rpc_timeout_s": 1.0, "wait_s": 0.5, "retry_s": 0.2, **relay_options},
+        address=sub,
+        uid="relay",
+    )
+    try:
         # until its first poll is answered a relay refuses mirrors (as not ready)
         await eventually(lambda: _connected(relay))
         yield Setup(tracker, relay, main)
+    finally:
+        # the relay first: it ends its poll at the tracker as it leaves
         if await xo.has_actor(relay):
             await xo.destroy_actor(relay)
+        # a test may have replaced the tracker (same address and uid)
+        with contextlib.suppress(xo.ActorNotExist):
+            await xo.destroy_actor(await xo.actor_ref(main, "trk"))
 
 
 async def _connected(relay: Any) -> bool:
     return (await relay.stats())["connected"]
 
 
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
-    async with tracker_and_relay() as made:
+@pytest_asyncio.fixture(loop_scope="module")
+async def setup(pool: tuple[str, str]) -> AsyncIterator[Setup]:
+    async with tracker_and_relay(pool) as made:
         yield made
 
 
-def start_mirror(ref: Any, rank: int) -> tuple[TrackerMirror, asyncio.Task[None]]:
+@dataclasses.dataclass
+class Following:
+    """A replica's mirror following ``ref`` (the tracker or a relay)."""
+
+    mirror: TrackerMirror
+    task: asyncio.Task[None]
+    ref: Any
+
+
+def start_mirror(ref: Any, rank: int) -> Following:
     mirror = TrackerMirror(
         lambda since, wait: ref.mirror_changes(rank, since, wait),
         rpc_timeout_s=1.0,
         wait_s=0.5,
         retry_s=0.1,
     )
-    return mirror, asyncio.create_task(mirror.run())
+    return Following(mirror, asyncio.create_task(mirror.run()), ref)
 
 
 async def eventually(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
@@ -100,11 +165,20 @@ async def eventually(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def stop(mirrors: list[tuple[TrackerMirror, asyncio.Task[None]]]) -> None:
-    for mirror, task in mirrors:
-        mirror.stop()
-        task.cancel()
-    await asyncio.gather(*(task for _, task in mirrors), return_exceptions=True)
+async def stop(followers: list[Following]) -> None:
+    """Stop the mirrors as a replica does: each returns once the poll it has in
+    flight is answered, which ``wake_mirrors`` makes at once. Cancelling the
+    task instead would leave that call to be answered into nobody's hands (and
+    an exception nobody retrieves once the relay or its pool is gone)."""
+    for following in followers:
+        following.mirror.stop()
+    for following in followers:
+        with contextlib.suppress(Exception):  # e.g. the tracker was destroyed
+            await following.ref.wake_mirrors()
+    tasks = [following.task for following in followers]
+    _, late = await asyncio.wait(tasks, timeout=5.0)
+    assert not late, "a stopped mirror did not return"
+    await asyncio.gather(*tasks)
 
 
 async def test_mirrors_through_the_relay_apply_what_direct_mirrors_apply(setup):
@@ -123,16 +197,18 @@ async def test_mirrors_through_the_relay_apply_what_direct_mirrors_apply(setup):
         )
         final = (await setup.tracker.mirror_versions())[-1]
         await eventually(
-            lambda: direct[0].version == final and relayed[0].version == final
+            lambda: direct.mirror.version == final and relayed.mirror.version == final
         )
         for keys in (KEYS, OTHER):
             for rank in (-1, 0, 1, 2):
-                assert direct[0].query(rank, keys) == relayed[0].query(rank, keys)
-        assert relayed[0].query(0, KEYS) == PrefixHit(2, "nixl://c", 3)
-        assert relayed[0].query(2, KEYS) == PrefixHit(1, "nixl://b2", 2)
-        assert relayed[0].query(0, OTHER) is None  # forgotten with replica 1
-        assert relayed[0].locate(1, KEYS[:1]) == [(5, 9)]
-        assert direct[0].locate(1, KEYS[:1]) == [(5, 9)]
+                assert direct.mirror.query(rank, keys) == relayed.mirror.query(
+                    rank, keys
+                )
+        assert relayed.mirror.query(0, KEYS) == PrefixHit(2, "nixl://c", 3)
+        assert relayed.mirror.query(2, KEYS) == PrefixHit(1, "nixl://b2", 2)
+        assert relayed.mirror.query(0, OTHER) is None  # forgotten with replica 1
+        assert relayed.mirror.locate(1, KEYS[:1]) == [(5, 9)]
+        assert direct.mirror.locate(1, KEYS[:1]) == [(5, 9)]
         # both mirrors' versions reach the tracker, so rank -1 sees everything
         await eventually(
             lambda: _versions_are(setup.tracker, {0: final, 1: final, -1: final})
@@ -206,11 +282,11 @@ async def test_forgetting_a_replica_reaches_relayed_mirrors(setup):
     relayed = start_mirror(setup.relay, 0)
     try:
         await setup.relay.update_blocks(2, b"", pack_keys(KEYS[:3]))
-        await eventually(lambda: relayed[0].query(0, KEYS) is not None)
+        await eventually(lambda: relayed.mirror.query(0, KEYS) is not None)
         await setup.tracker.forget_replica(2)  # e.g. the supervisor saw it die
-        await eventually(lambda: relayed[0].query(0, KEYS) is None)
+        await eventually(lambda: relayed.mirror.query(0, KEYS) is None)
         # a rank forgotten through the relay is no longer reported as a mirror
-        await setup.relay.mirror_changes(1, relayed[0].version, 0.0)
+        await setup.relay.mirror_changes(1, relayed.mirror.version, 0.0)
         await eventually(lambda: _has_mirror(setup.tracker, 1))
         await setup.relay.forget_replica(1)
         await asyncio.sleep(1.2)  # two of the relay's polls
@@ -233,12 +309,12 @@ async def test_without_the_tracker_updates_fail_loudly_and_mirrors_stop(setup):
     updates = TrackerUpdates(0, counters, deadline, interval_s=0.0)
     updates.tracker = setup.relay
     try:
-        await eventually(lambda: relayed[0].ready)
+        await eventually(lambda: relayed.mirror.ready)
         await xo.destroy_actor(setup.tracker)
         updates.tell(list(KEYS[:2]), [])
         await updates.wait()
         assert counters.tracker_failures == 1  # as when the tracker call fails
-        await eventually(lambda: not relayed[0].ready)
+        await eventually(lambda: not relayed.mirror.ready)
         with pytest.raises(ActorNotExist):  # what the tracker call raised
             await setup.relay.update_blocks(0, b"", pack_keys(KEYS[:1]))
         with pytest.raises(ConnectionError, match="no tracker"):
@@ -247,8 +323,8 @@ async def test_without_the_tracker_updates_fail_loudly_and_mirrors_stop(setup):
         await stop([relayed])
 
 
-async def test_a_mirror_behind_the_relays_log_gets_a_fresh_snapshot():
-    async with tracker_and_relay(log_keys=4) as setup:
+async def test_a_mirror_behind_the_relays_log_gets_a_fresh_snapshot(pool):
+    async with tracker_and_relay(pool, log_keys=4) as setup:
         relay, tracker = setup.relay, setup.tracker
         base = (await relay.mirror_changes(0, -1, 0.0)).version
         keys = list(KEYS) + list(OTHER)
@@ -280,26 +356,68 @@ async def test_the_relay_follows_a_tracker_that_comes_back(setup):
     try:
         await setup.tracker.update_blocks(1, b"", pack_keys(KEYS[:5]))
         await setup.tracker.update_blocks(1, pack_keys(KEYS[3:5]), b"")
-        await eventually(lambda: relayed[0].query(0, KEYS) is not None)
+        await eventually(lambda: relayed.mirror.query(0, KEYS) is not None)
         await xo.destroy_actor(setup.tracker)
-        await eventually(lambda: not relayed[0].ready)
+        await eventually(lambda: not relayed.mirror.ready)
         # a new tracker: its versions start again below the relay's
         tracker = await start_tracker(setup.tracker_address)
         await tracker.update_blocks(2, b"", pack_keys(KEYS[:2]))
-        await eventually(lambda: relayed[0].ready, timeout_s=10.0)
+        await eventually(lambda: relayed.mirror.ready, timeout_s=10.0)
         await eventually(
-            lambda: relayed[0].query(0, KEYS) == PrefixHit(2, "nixl://c", 2)
+            lambda: relayed.mirror.query(0, KEYS) == PrefixHit(2, "nixl://c", 2)
         )
     finally:
         await stop([relayed])
 
 
-async def test_a_relay_ends_its_poll_at_the_tracker_when_destroyed():
+async def test_a_relay_ends_its_poll_at_the_tracker_when_destroyed(pool):
     """Its poll waits up to 30 s here: destroying the relay wakes it at the tracker
     instead of waiting it out or leaving it to be answered into a closed pool."""
-    async with tracker_and_relay(wait_s=30.0, rpc_timeout_s=3.0) as setup:
+    async with tracker_and_relay(pool, wait_s=30.0, rpc_timeout_s=3.0) as setup:
         await asyncio.sleep(0.3)  # the relay's poll now waits at the tracker
         started = time.monotonic()
         await xo.destroy_actor(setup.relay)
         assert time.monotonic() - started < 1.5
         assert not await xo.has_actor(setup.relay)
+
+
+async def test_records_that_do_not_match_the_versions_restart_the_relays_log(pool):
+    """An answer with fewer records than the versions it advances: the relay
+    cannot tell which version each record is, so it starts its log again there,
+    and a mirror that applied less gets the whole index, never records numbered
+    wrongly (or none, and a mirror that skipped a change)."""
+    async with tracker_and_relay(pool, SpoilingTracker) as setup:
+        relay, tracker = setup.relay, setup.tracker
+        await tracker.update_blocks(1, b"", pack_keys(KEYS[:2]))
+        before = (await tracker.mirror_versions())[-1]
+        await eventually(lambda: _relay_at(relay, before))
+        await tracker.spoil("drop")
+        await tracker.update_blocks(1, b"", pack_keys(KEYS[2:4]))  # one version
+        await eventually(lambda: _relay_at(relay, before + 1))
+        answer = await relay.mirror_changes(0, before, 0.0)
+        assert answer.reset and answer.version == before + 1
+        mirror = TrackerMirror(
+            lambda s, w: relay.mirror_changes(0, s, w), rpc_timeout_s=1.0
+        )
+        mirror.apply(answer)
+        assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
+
+
+async def test_a_mirror_older_than_the_relays_log_base_gets_a_snapshot(pool):
+    """The tracker answers the relay with the whole index (as it does once its
+    own log no longer reaches the relay's version): the relay's log starts
+    there, and a mirror that applied less gets a snapshot, never "nothing new"
+    (which would let it skip the change and keep a stale index)."""
+    async with tracker_and_relay(pool, SpoilingTracker) as setup:
+        relay, tracker = setup.relay, setup.tracker
+        before = (await relay.mirror_changes(0, -1, 0.0)).version
+        await tracker.spoil("snapshot")
+        await tracker.update_blocks(1, b"", pack_keys(KEYS[:3]))
+        await eventually(lambda: _relay_at(relay, before + 1))
+        answer = await relay.mirror_changes(0, before, 0.0)
+        assert answer.reset and answer.version == before + 1
+        mirror = TrackerMirror(
+            lambda s, w: relay.mirror_changes(0, s, w), rpc_timeout_s=1.0
+        )
+        mirror.apply(answer)
+        assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 3)

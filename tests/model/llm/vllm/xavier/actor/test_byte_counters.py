@@ -17,10 +17,16 @@ from xinference.core.messages import ReplicaStats
 from xinference.core.metrics import ReplicaSample, render
 from xinference.model.llm.vllm.xavier.wire import CPU_TIER, DEVICE_TIER
 
-from .._support import cluster, load_blocks, stage_and_register
+from .._support import (
+    ON_SHARED_POOLS,
+    load_blocks,
+    shared_cluster,
+    shared_pools,
+    stage_and_register,
+)
 from .test_transfer_actor import SPEC, holder_and_loader, prompt_keys, stage_items
 
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["shared_cluster", "shared_pools"]  # the fixtures, imported for pytest
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 
@@ -60,6 +66,7 @@ def received_bytes_series(stats, rank: int) -> dict[str, float]:
         pytest.param("nixl", 2, {DEVICE_TIER: 2, CPU_TIER: 6}, id="both-tiers"),
     ],
 )
+@ON_SHARED_POOLS
 async def test_received_and_sent_bytes_count_each_tier(
     cluster, transport, budget_blocks, tiers
 ):

@@ -170,3 +170,28 @@ async def test_a_rank_that_cannot_be_created_takes_the_ranks_before_it_down(clus
         await xo.actor_ref(address, transfer_actor_uid(MODEL, 0, 0))
     assert await xo.has_actor(squatter)  # the group destroys only its own actors
     await xo.destroy_actor(squatter)
+
+
+class ClosingRank:
+    """A rank's actor ref as ``close`` sees it; ``fails``: its close raises."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails = fails
+        self.closed = False
+
+    async def close(self) -> None:
+        if self.fails:
+            raise ConnectionError("the rank's pool stopped answering")
+        self.closed = True
+
+
+async def test_closing_a_replica_tries_every_rank_and_raises_if_one_failed():
+    """The lead's close fails: the other ranks are closed all the same (each
+    drains its loads), and the caller learns that the replica did not close."""
+    ranks = [ClosingRank(fails=tp == 0) for tp in range(3)]
+    with pytest.raises(ConnectionError, match="stopped answering"):
+        await TransferActorGroup(ranks).close()
+    assert [rank.closed for rank in ranks] == [False, True, True]
+    fine = [ClosingRank(fails=False) for _ in range(3)]
+    await TransferActorGroup(fine).close()
+    assert all(rank.closed for rank in fine)

@@ -3,6 +3,9 @@
 Each replica is a ``SyntheticEngine`` in this process (standing in for a vLLM
 worker) whose KV tensors its transfer actor, in a sub-pool process, maps through
 shared memory. Every load below goes holder store -> NIXL or RPC -> loader engine.
+
+The pools are the module's (``shared_cluster``): each test gets a tracker of its
+own, and its replicas and tracker are destroyed after it.
 """
 
 from __future__ import annotations
@@ -36,18 +39,20 @@ from xinference.model.llm.vllm.xavier.wire import (
 from .._support import (
     DEVICES,
     MODEL,
+    ON_SHARED_POOLS,
     Cluster,
     EngineSpec,
     SyntheticEngine,
     all_bf16_patterns,
-    cluster,
     load_blocks,
     new_id,
     reserve_and_start,
+    shared_cluster,
+    shared_pools,
     stage_and_register,
 )
 
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["shared_cluster", "shared_pools"]  # the fixtures, imported for pytest
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 
@@ -103,6 +108,7 @@ async def holder_and_loader(
         pytest.param(None, {CPU_TIER}, id="cpu-tier-only"),
     ],
 )
+@ON_SHARED_POOLS
 async def test_all_bf16_bit_patterns_survive_a_load_from_a_peer_process(
     cluster, budget_blocks, expected_tiers, device
 ):
@@ -166,6 +172,7 @@ async def test_all_bf16_bit_patterns_survive_a_load_from_a_peer_process(
         (PACKED_KV_NHD_LAYOUT, PACKED_KV_NHD_LAYOUT),
     ],
 )
+@ON_SHARED_POOLS
 async def test_gpu_layouts_load_bit_exact_through_both_tiers(
     cluster, holder_layout, loader_layout, device
 ):
@@ -204,6 +211,7 @@ async def test_gpu_layouts_load_bit_exact_through_both_tiers(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@ON_SHARED_POOLS
 async def test_two_replicas_load_from_each_other_at_the_same_time(cluster, device):
     """Each replica serves the other while loading from it: no deadlock, both
     loads complete and are exact."""
@@ -239,6 +247,7 @@ BIG = EngineSpec(PACKED_KV_LAYOUT, num_layers=2, num_blocks=1024)
 SLOW_TRANSPORT = "xoscar"
 
 
+@ON_SHARED_POOLS
 async def test_cancel_mid_load_keeps_blocks_and_lease_until_writes_finish(cluster):
     """A cancelled load stops at its next chunk. Until its in-flight write has
     finished, its destination blocks cannot be given to another load and the
@@ -281,6 +290,7 @@ async def test_cancel_mid_load_keeps_blocks_and_lease_until_writes_finish(cluste
     assert target.blocks_equal(source, dst[:8], list(range(8)))
 
 
+@ON_SHARED_POOLS
 async def test_close_while_loading_drains_the_load_then_refuses_work(cluster):
     (source, target), holder, loader = await holder_and_loader(
         cluster,
@@ -316,6 +326,7 @@ async def test_close_while_loading_drains_the_load_then_refuses_work(cluster):
 # ---- bad inputs -------------------------------------------------------------------------
 
 
+@ON_SHARED_POOLS
 async def test_bad_inputs_give_clear_errors_and_leave_the_store_consistent(cluster):
     (source, target), holder, loader = await holder_and_loader(cluster, 1 << 20)
     keys = prompt_keys(4, salt=5)
@@ -397,6 +408,7 @@ async def test_bad_inputs_give_clear_errors_and_leave_the_store_consistent(clust
 # ---- staging ----------------------------------------------------------------------------
 
 
+@ON_SHARED_POOLS
 async def test_a_failing_stage_copy_publishes_nothing(cluster):
     """A stage whose copy fails midway (block 64 does not exist) rolls back every
     key it staged: nothing is visible, nothing is registered, the slots are free."""
@@ -418,6 +430,7 @@ async def test_a_failing_stage_copy_publishes_nothing(cluster):
     )  # already present
 
 
+@ON_SHARED_POOLS
 async def test_a_lease_its_loader_abandoned_expires(cluster):
     """A loader reserved snapshots and died: after lease_ttl_s the holder releases
     the lease itself (on its next reservation), so the snapshots are not pinned
@@ -440,6 +453,7 @@ async def test_a_lease_its_loader_abandoned_expires(cluster):
     assert stats.store.active_leases == 1  # only the fresh one
 
 
+@ON_SHARED_POOLS
 async def test_dropped_snapshots_are_unregistered_from_the_tracker(cluster):
     """A CPU tier of 4 blocks and no device tier: staging 6 drops the 2 oldest."""
     engine = SyntheticEngine(SPEC)
@@ -475,6 +489,7 @@ def test_queued_tracker_updates_are_sent_as_their_net_change():
     assert net_tracker_change([]) == ([], [], [])
 
 
+@ON_SHARED_POOLS
 async def test_engine_caches_are_mapped_exactly_once_and_must_match(cluster):
     engine = SyntheticEngine(dataclasses.replace(SPEC, layout=KV_FIRST_LAYOUT))
     actor = await cluster.add_replica(0, engine, None, 8, map_caches=False)
@@ -507,6 +522,7 @@ async def test_engine_caches_are_mapped_exactly_once_and_must_match(cluster):
     )
 
 
+@ON_SHARED_POOLS
 async def test_a_store_too_large_to_allocate_is_a_mapping_error_with_its_cause(
     cluster,
 ):

@@ -28,8 +28,10 @@ from xinference.model.llm.vllm.xavier.aio import BackgroundLoop
 from xinference.model.llm.vllm.xavier.connector.direct_reads import (
     REPLY_ALLOWANCE_S,
     DirectReads,
+    run_lease_free,
 )
 from xinference.model.llm.vllm.xavier.connector.stale_loads import StaleLoad
+from xinference.model.llm.vllm.xavier.connector.step import RequestLoad
 from xinference.model.llm.vllm.xavier.connector.totals_report import (
     TotalsReport,
 )
@@ -202,6 +204,84 @@ async def test_a_stale_block_in_the_middle_fails_only_from_itself_on(holder):
         assert block_bytes(cache, 1) == {4}
         assert reads.loads == 1 and reads.stale == 1
         assert reads.blocks == 1  # block 0, before the first stale one
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+async def test_a_holder_whose_meeting_failed_is_met_again_at_a_later_call(holder):
+    """The reader's first meeting with the holder fails (its pool did not
+    answer yet): the holder is not given up; a later call meets it again, and
+    its lease-free loads then run here."""
+    ref, address = holder
+    location = await ref.put(5)
+    cache = engine_cache()
+    loop = BackgroundLoop("direct-reads-met-again")
+    # per holder link the reader asked for (one per meeting, one per load):
+    # whether the holder answers on it
+    links: list[bool] = []
+
+    def holder_calls(holder_address: str, rank: int) -> Any:
+        answers = bool(links)  # the first meeting's calls fail
+        links.append(answers)
+
+        async def call(op: str, *args: Any) -> Any:
+            if not answers:
+                raise ConnectionRefusedError("the holder's pool is not up yet")
+            on_this_loop = await xo.actor_ref(address, HOLDER_UID)
+            return await on_this_loop.transport_call(op, *args)
+
+        return call
+
+    reads = DirectReads(loop, cache, "met-again", holder_calls, rpc_timeout_s=10.0)
+    try:
+        outcomes = []
+        deadline = time.monotonic() + 30
+        while not outcomes or outcomes[-1] is not None:
+            assert time.monotonic() < deadline, (links, outcomes[-1])
+            # one engine step: a lease-free load from this holder
+            load = lease_free_load(f"step-{len(outcomes)}", [5], [location], [1])
+            outcome = await asyncio.to_thread(reads.load_now, [load], 5.0)
+            outcomes.append(outcome[load.load_id])
+            await asyncio.sleep(0.02)
+        assert "has not met the holder" in outcomes[0]
+        assert links == [False, True, True]  # failed meeting, meeting, load
+        assert block_bytes(cache, 1) == {5}
+    finally:
+        await asyncio.to_thread(loop.run, reads.close(), 10.0)
+        loop.close()
+
+
+async def test_lease_free_loads_of_a_step_wait_up_to_the_largest_bound(holder):
+    """Two lease-free loads in one step, bounded at 20 ms and at 5 s; the second
+    takes longer than 20 ms (its READ starts 0.3 s late here). The step waits up
+    to the larger bound: the slower load is not failed at the other's bound."""
+    ref, address = holder
+    locations = [await ref.put(i) for i in (3, 4)]
+    cache = engine_cache()
+    loop, reads = await asyncio.to_thread(reader, address, cache, "test")
+    transport = reads._transport
+    assert transport is not None
+    read_rows = transport.load
+
+    async def slow_for_the_generous_one(*args: Any, **kwargs: Any) -> None:
+        lease_id = args[2]
+        if lease_id.endswith("generous"):
+            await asyncio.sleep(0.3)
+        await read_rows(*args, **kwargs)
+
+    transport.load = slow_for_the_generous_one  # type: ignore[method-assign]
+    try:
+        tight = lease_free_load("tight", [3], [locations[0]], [5])
+        generous = lease_free_load("generous", [4], [locations[1]], [2])
+        items = [
+            RequestLoad("a", tight, asynchronous=False, bound_s=0.02),
+            RequestLoad("b", generous, asynchronous=False, bound_s=5.0),
+        ]
+        outcomes, rest = await asyncio.to_thread(run_lease_free, reads, items)
+        assert rest == []
+        assert outcomes == {"tight": None, "generous": None}
+        assert block_bytes(cache, 5) == {3} and block_bytes(cache, 2) == {4}
     finally:
         await asyncio.to_thread(loop.run, reads.close(), 10.0)
         loop.close()

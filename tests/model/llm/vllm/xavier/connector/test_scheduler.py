@@ -48,7 +48,9 @@ class Holder:
 
     def __init__(self) -> None:
         self.keys: set[BlockHash] = set()
-        self.mode = "grant"  # grant | refuse | fail | hang
+        self.mode = "grant"  # grant | refuse | fail | hang | substitute
+        # "substitute": the key it grants at this position instead of the one asked
+        self.substitute_at = 1
         self.delay_s = 0.0  # how long it takes to answer
         self.reserved: list[tuple[str, list[BlockHash]]] = []
         self.released: list[str] = []
@@ -71,6 +73,9 @@ class Holder:
                 if key not in self.keys:
                     break
                 granted.append(key)
+        elif self.mode == "substitute":  # a wrong key amid the right ones
+            granted = list(keys)
+            granted[self.substitute_at] = b"\xee" * 16
         n = len(granted)
         return LeaseGrant(
             lease_id, hit.rank, tuple(granted), (CPU_TIER,) * n, ("bfloat16",) * n
@@ -230,6 +235,28 @@ def test_evicted_snapshot_shortens_the_grant(loop, tracker):
     holder.keys.discard(keys[2])
     side = make_side(loop, tracker, holder)
     assert side.num_new_matched_tokens("r", prompt, 0) == (2 * BS, False)
+
+
+def test_a_grant_is_used_only_up_to_its_first_key_that_differs(loop, tracker):
+    """The holder grants 3 keys, the second not the one asked for: only the
+    first is loaded (the third matches, but follows a block that is not the
+    prompt's: its KV belongs to another prefix), and the grant carries only it."""
+    holder = Holder()
+    prompt = list(range(13))
+    keys = publish(tracker, holder, prompt)
+    holder.mode = "substitute"
+    side = make_side(loop, tracker, holder)
+    assert side.num_new_matched_tokens("r", prompt, 0) == (BS, False)
+    assert holder.reserved[0][1] == keys[:3]
+    side.on_allocated("r", [[4, 5, 6, 7]], BS)
+    step = side.build_step(
+        [ScheduledRequest("r", BS, 13 - BS, [4, 5, 6, 7], whole_table=True)]
+    )
+    (item,) = step.loads
+    assert item.load is not None
+    assert item.load.grant.keys == (keys[0],)
+    assert item.load.dst_block_ids == (4,)
+    assert side.stats["hit_blocks"] == 1
 
 
 def test_failed_holder_is_a_miss_and_backed_off(loop, tracker):
