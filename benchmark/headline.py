@@ -126,7 +126,8 @@ def _write_path_rows() -> Iterator[tuple[str, str, float, float, str]]:
             WRITE_PATH.setup,
         )
     unique = on["unique"]["shape"]
-    for off_row, on_row in zip(off["unique"]["rows"], on["unique"]["rows"]):
+    pairs = zip(off["unique"]["rows"], on["unique"]["rows"], strict=True)
+    for off_row, on_row in pairs:
         assert off_row["concurrency"] == on_row["concurrency"]
         yield (
             f"Nothing shared ({unique['requests']} prompts of "
