@@ -312,7 +312,8 @@ async def _dispatcher(
     if refused:
         raise InvalidRequest(
             f"unsupported parameter(s): {', '.join(refused)} "
-            "(this server cannot honour them; only n=1 is served)",
+            "(this server cannot honour them yet; see the parity table in "
+            "docs/user-guide.md)",
             param=refused[0],
         )
     return await (await hub()).get(body.model)
