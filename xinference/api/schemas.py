@@ -83,6 +83,18 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 # Parameters that only label a request (no effect on its output): accepted.
 _LABELS = ("user", "metadata", "store")
+# The sampling fields the front end resolves itself (``core/sampling.py``); vLLM
+# checks them with the delegated ones (``vllm_sampling.sampling_options``).
+_CLASSIC = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+)
 
 
 class StreamOptions(BaseModel):
@@ -147,6 +159,14 @@ class _SamplingFields(BaseModel):
         if self.n != 1:
             fields["n"] = self.n
         return fields
+
+    def classic(self) -> dict[str, Any]:
+        """The classic sampling fields this request sets (not None), as sent."""
+        return {
+            name: getattr(self, name)
+            for name in _CLASSIC
+            if getattr(self, name) is not None
+        }
 
     def refused(self) -> list[str]:
         """The parameters this request sets that the server cannot honour."""

@@ -47,7 +47,7 @@ from .limits import ModelLimits
 from .logprobs import chat_logprobs, completion_logprobs
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tenancy import SaltPolicy, request_principal
-from .vllm_sampling import sampling_options
+from .vllm_sampling import is_request_error, sampling_options
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,10 @@ def add_serving_routes(
                     job.request, request_id=f"{request_id}-{job.index}"
                 )
         created = int(time.time())
-        # a streamed choice's text so far: where its next chunk's logprobs start
-        written: dict[ChoiceKey, int] = {}
+        # where a streamed choice's next logprobs start: after the tokens
+        # reported so far (as vLLM counts: text held back for a stop string
+        # lags the tokens)
+        next_offset: dict[ChoiceKey, int] = {}
 
         def chunk_json(index: int, chunk: GenerationChunk) -> dict[str, Any]:
             key = (index, chunk.index)
@@ -124,10 +126,12 @@ def add_serving_routes(
                     chunk.logprobs,
                     top,
                     renderer.decode,
-                    text_offset=written.get(key, 0),
+                    text_offset=next_offset.get(key, 0),
                 )
-            if body.stream:
-                written[key] = written.get(key, 0) + len(chunk.text)
+                if body.stream and logprobs["tokens"]:
+                    next_offset[key] = logprobs["text_offset"][-1] + len(
+                        logprobs["tokens"][-1]
+                    )
             return {
                 "id": request_id,
                 "object": "text_completion",
@@ -251,6 +255,7 @@ async def _options(
         fields,
         max_tokens,
         dispatcher.sampling_defaults,
+        body.classic(),
     )
 
 
@@ -332,10 +337,23 @@ async def _generate_all(
         )
         try:
             return await dispatcher.serve(route, job.request)
-        except ValueError as error:  # vLLM's own request validation
-            raise InvalidRequest(error_message(error)) from None
+        except Exception as error:
+            if is_request_error(error):  # vLLM's own request validation
+                raise _invalid(error) from None
+            raise
 
     return list(await asyncio.gather(*(one(job) for job in jobs)))
+
+
+def _invalid(error: BaseException) -> InvalidRequest:
+    """A replica's refusal of a request (``is_request_error``) as our 400, in
+    the words vLLM's server answers with, naming the field where vLLM did."""
+    if isinstance(error, ValueError | TypeError | OverflowError):
+        message = error_message(error)
+    else:  # vLLM's client errors: their text says which parameter, as vLLM's does
+        message = str(error)
+    param = getattr(error, "parameter", None) or getattr(error, "param", None)
+    return InvalidRequest(message, param)
 
 
 class _Opened:
@@ -361,11 +379,10 @@ async def _open(dispatcher: ReplicaDispatcher, job: _Job) -> _Opened:
     stream = dispatcher.stream_served(route, job.request)
     try:
         first = await anext(stream, None)
-    except ValueError as error:
+    except BaseException as error:
         await stream.aclose()
-        raise InvalidRequest(error_message(error)) from None
-    except BaseException:
-        await stream.aclose()
+        if is_request_error(error):
+            raise _invalid(error) from None
         raise
     return _Opened(job.index, first, stream)
 

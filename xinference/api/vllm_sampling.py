@@ -10,9 +10,10 @@ handed, as the request set it, to vLLM's own OpenAI request model, the one
 in vLLM's words. The ``SamplingParams`` arguments that mapping produced travel
 to the replica as plain keyword arguments (``GenerationRequest.options``).
 
-Only these fields reach vLLM's request model: the prompt and the messages stay
-the front end's (it tokenises them, for routing), so the model is given a
-placeholder for them. vLLM's request models import most of vLLM (tens of seconds
+Only the sampling fields reach vLLM's request model (the classic ones too, for
+the checks that combine them): the prompt and the messages stay the front
+end's (it tokenises them, for routing), so the model is given a placeholder
+for them. vLLM's request models import most of vLLM (tens of seconds
 on a small machine), so they are imported on the first request that sets such a
 field: a request without one costs nothing more than before.
 """
@@ -85,17 +86,21 @@ def sampling_options(
     fields: Mapping[str, Any],
     max_tokens: int | None,
     defaults: Mapping[str, Any],
+    classic: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``SamplingParams`` arguments vLLM maps ``fields`` (delegated request
     fields, as sent) to, only those that differ from ``SamplingParams``' own
     defaults; an ``InvalidRequest`` in vLLM's words for a value vLLM refuses.
-    ``defaults``: the model's sampling defaults, as ``vllm serve`` passes them."""
+    ``defaults``: the model's sampling defaults, as ``vllm serve`` passes them;
+    ``classic``: the request's classic fields (temperature, ...), which vLLM
+    checks together with the others (n > 1 is refused with greedy sampling)."""
+    classic = classic or {}
     if not fields:
         return {}
     vllm = _vllm()
     try:
         request = vllm.request_models[kind].model_validate(
-            {"model": "", **_PLACEHOLDER[kind], **fields}
+            {"model": "", **_PLACEHOLDER[kind], **classic, **fields}
         )
         params = vllm.to_sampling_params(request, max_tokens, dict(defaults))
     except vllm.pydantic_error as error:
@@ -108,6 +113,17 @@ def sampling_options(
         for name in FORWARDED
         if getattr(params, name) != getattr(neutral, name)
     }
+
+
+def is_request_error(error: BaseException) -> bool:
+    """Whether a replica's refusal of a request is the sender's to fix (a 400),
+    as vLLM's server decides: its client errors (``VLLMClientError``, which is
+    not a ``ValueError`` in recent releases: matched by name, so that the front
+    end need not import vLLM for it) and the plain ValueError / TypeError its
+    older checks raise."""
+    if isinstance(error, ValueError | TypeError | OverflowError):
+        return True
+    return any(kind.__name__ == "VLLMClientError" for kind in type(error).__mro__)
 
 
 def _pydantic_reason(error: Any) -> tuple[str, str | None]:

@@ -214,28 +214,22 @@ class _TokenizerPool:
                 self._changed.notify()
 
 
-# chat_template_kwargs that would change how the template is applied rather
-# than what it reads: refused with vLLM's message.
-_NOT_TEMPLATE_ARGUMENTS = frozenset({"chat_template", "tokenize"})
-# What the renderer itself gives the template (a request's own value is dropped).
-_RENDERER_ARGUMENTS = frozenset({"messages", "add_generation_prompt"})
+# What the renderer itself gives the template, and the arguments that would
+# change how it is applied rather than what it reads: a request's own value is
+# dropped, as vLLM's server drops these.
+_RENDERER_ARGUMENTS = frozenset(
+    {"messages", "add_generation_prompt", "chat_template", "tokenize"}
+)
 
 
 def template_arguments(
     template: str | dict[str, str] | None, kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Of a request's ``chat_template_kwargs``, those the template reads, as vLLM's
-    server keeps them (others are dropped, not refused: a client may send one
-    set of arguments to models whose templates differ); ``chat_template`` and
-    ``tokenize`` are refused (``PromptRefused``) with vLLM's message."""
+    server keeps them: the others are dropped, not refused (a client may send
+    one set of arguments to models whose templates differ)."""
     if not kwargs:
         return {}
-    unexpected = _NOT_TEMPLATE_ARGUMENTS & kwargs.keys()
-    if unexpected:
-        raise PromptRefused(
-            f"Found unexpected chat template kwargs from request: {unexpected}",
-            "chat_template_kwargs",
-        )
     read = _template_variables(template if isinstance(template, str) else None)
     return {
         name: value
