@@ -263,3 +263,16 @@ def test_a_replicas_refusal_in_vllms_client_error_is_the_senders():
     assert is_request_error(VLLMValidationError("no"))
     assert is_request_error(ValueError("no"))
     assert not is_request_error(RuntimeError("engine died"))
+
+
+def test_tokenize_refuses_what_it_cannot_honour_naming_it(served):
+    http, _ = served
+    chat = {"model": "m", "messages": USER}
+    for refused, name in (
+        (dict(chat, add_generation_prompt=False), "add_generation_prompt"),
+        (dict(chat, add_special_tokens=True), "add_special_tokens"),
+        (dict(chat, tools=[{"type": "function"}]), "tools"),
+    ):
+        reply = http.post("/tokenize", json=refused)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == name

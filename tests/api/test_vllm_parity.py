@@ -322,3 +322,31 @@ def test_what_vllm_serve_refuses_is_a_400_here(pair, path, fields):
     prompt = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
     ours, _ = compare(pair, path, {**prompt, "max_tokens": 8, **fields})
     assert ours["error"]["type"] == "invalid_request_error"
+
+
+# ---- tokenize and detokenize ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": PROMPT},
+        {"prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True},
+        {"messages": MESSAGES},
+        {"messages": MESSAGES, "return_token_strs": True},
+    ],
+    ids=repr,
+)
+def test_tokenize_answers_as_vllm_serve(pair, body):
+    theirs_url, ours_url = pair
+    status, theirs = send(theirs_url, "/tokenize", {"model": SERVED, **body})
+    assert send(ours_url, "/tokenize", {"model": SERVED, **body}) == (status, theirs)
+
+
+def test_detokenize_answers_as_vllm_serve(pair):
+    theirs_url, ours_url = pair
+    _, tokenized = send(ours_url, "/tokenize", {"model": SERVED, "messages": MESSAGES})
+    body = {"model": SERVED, "tokens": tokenized["tokens"]}
+    status, theirs = send(theirs_url, "/detokenize", body)
+    assert status == 200
+    assert send(ours_url, "/detokenize", body) == (status, theirs)

@@ -58,6 +58,7 @@ from .schemas import LaunchRequest, PrefixRequest
 from .server_options import ServerOptions
 from .serving import add_serving_routes
 from .tenancy import SaltPolicy, request_principal
+from .tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ def create_app(
     install_error_handlers(app)
     salts = SaltPolicy(options.kv_sharing)
     add_serving_routes(app, lambda body: _dispatcher(hub, body), salts)
+    add_tokenize_routes(app, lambda body: _dispatcher(hub, body))
 
     # HEAD answers as GET does (probes and link checkers send it), out of the
     # OpenAPI description, where it would repeat the GET operation

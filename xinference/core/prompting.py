@@ -76,13 +76,34 @@ class PromptRenderer:
         prompt: str | Sequence[int],
         context: int | None = None,
         param: str = "prompt",
+        add_special_tokens: bool = True,
     ) -> list[int]:
         """A completion prompt's ids; a text is refused (``PromptRefused``) when
         the tokenizer cannot take it or when it cannot fit ``context`` tokens
         (None or 0: unknown, not checked before encoding)."""
         if isinstance(prompt, str):
-            return self._encode(prompt, context, param, add_special_tokens=True)
+            return self._encode(
+                prompt, context, param, add_special_tokens=add_special_tokens
+            )
         return [int(token) for token in prompt]
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (``/tokenize``)."""
+        return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (``/detokenize``). Blocking: use a thread.
+        An id outside the vocabulary is refused (``PromptRefused``)."""
+        vocab = len(self._tokenizer)
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab:
+                raise PromptRefused(
+                    f"token id {token_id} is outside the vocabulary (0 to "
+                    f"{vocab - 1})",
+                    "tokens",
+                )
+        with self._pool.borrowed() as tokenizer:
+            return str(tokenizer.decode(list(token_ids)))
 
     def decode(self, token_id: int) -> str:
         """One token's text (for the rare logprob entry the engine left undecoded)."""
