@@ -63,7 +63,12 @@ def test_each_error_status_has_a_json_body_on_the_same_connection(endpoint):
     with httpx.Client(base_url=endpoint, timeout=30) as http:
         ports = set()
         for method, path, body, status in [
-            ("POST", "/v1/completions", {"model": "m", "prompt": "x", "n": 2}, 400),
+            (
+                "POST",
+                "/v1/completions",
+                {"model": "m", "prompt": "x", "echo": True},
+                400,
+            ),
             ("POST", "/v1/completions", {"model": "m"}, 422),
             ("DELETE", "/v1/models/nothing-here", None, 500),
             ("GET", "/no/such/path", None, 404),

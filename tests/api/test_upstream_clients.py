@@ -249,9 +249,18 @@ def test_openai_package(server, launched):
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert all(chunk.choices for chunk in chunks[:-1])
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
+    scored = client.chat.completions.create(
+        model=UID, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    content = scored.choices[0].logprobs.content
+    assert len(content) == scored.usage.completion_tokens
+    assert all(len(token.top_logprobs) == 2 for token in content)
+    with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(
-            model=UID, messages=MESSAGES, max_tokens=8, logprobs=True
+            model=UID,
+            messages=MESSAGES,
+            max_tokens=8,
+            tools=[{"type": "function", "function": {"name": "f"}}],
         )
 
 

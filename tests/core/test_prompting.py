@@ -7,7 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from xinference.core.prompting import PromptRefused, PromptRenderer
+from xinference.core.prompting import (
+    PromptRefused,
+    PromptRenderer,
+    template_arguments,
+)
 from xinference.model.llm.tiny_model import DEFAULT_SYSTEM_PROMPT, build_tiny_qwen2
 
 pytestmark = pytest.mark.slow  # builds the models once (a few seconds each)
@@ -184,3 +188,29 @@ def test_a_short_prompt_does_not_wait_for_an_encode_in_progress(renderer):
     finally:
         in_progress.__exit__(None, None, None)
         pool.shutdown()
+
+
+def test_chat_template_kwargs_reach_the_template_that_reads_them(models):
+    # a ChatML template that reads one argument of the request's (as Qwen3's
+    # reads enable_thinking)
+    thinking = PromptRenderer.load(str(build_tiny_qwen2(models / "thinking")))
+    tokenizer = thinking._tokenizer
+    tokenizer.chat_template += "{%- if enable_thinking is false -%}<think>{%- endif -%}"
+    messages = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.decode(thinking.chat_ids(messages))
+    off = thinking.chat_ids(messages, template_kwargs={"enable_thinking": False})
+    assert tokenizer.decode(off) == plain + "<think>"
+    # arguments the template does not read are dropped, as vLLM drops them
+    ignored = {"enable_thinking": True, "unknown": 1, "add_generation_prompt": False}
+    assert tokenizer.decode(thinking.chat_ids(messages, template_kwargs=ignored)) == (
+        plain
+    )
+
+
+def test_chat_template_kwargs_the_template_does_not_read_are_dropped():
+    # as vLLM's server drops them; tokenize and chat_template would change how
+    # the template is applied, not what it reads
+    read = "{{ x }}{{ messages }}{{ tokenize }}"
+    kwargs = {"x": 1, "y": 2, "messages": [], "tokenize": True}
+    assert template_arguments(read, kwargs) == {"x": 1}
+    assert template_arguments(None, {"x": 1}) == {}

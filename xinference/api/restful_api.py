@@ -60,6 +60,7 @@ from .schemas import LaunchRequest, PrefixRequest
 from .server_options import ServerOptions
 from .serving import add_serving_routes
 from .tenancy import SaltPolicy, request_principal
+from .tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ def create_app(
     install_error_handlers(app)
     salts = SaltPolicy(options.kv_sharing)
     add_serving_routes(app, lambda body: _dispatcher(hub, body), salts)
+    add_tokenize_routes(app, lambda body: _dispatcher(hub, body))
 
     # HEAD answers as GET does (probes and link checkers send it), out of the
     # OpenAPI description, where it would repeat the GET operation
@@ -331,7 +333,8 @@ async def _dispatcher(
     if refused:
         raise InvalidRequest(
             f"unsupported parameter(s): {', '.join(refused)} "
-            "(this server cannot honour them; only n=1 is served)",
+            "(this server cannot honour them yet; see the parity table in "
+            "docs/user-guide.md)",
             param=refused[0],
         )
     return await (await hub()).get(body.model)

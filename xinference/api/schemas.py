@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.sampling import DEFAULT_GENERATION_CONFIG
 from ..model.llm.vllm.xavier.config import DEFAULT_TRANSPORT
+from .vllm_sampling import DELEGATED, Kind
 
 
 class LaunchRequest(BaseModel):
@@ -67,26 +68,33 @@ class LaunchRequest(BaseModel):
     envs: dict[str, str] | None = None
 
 
-# OpenAI parameters we cannot honour, with the values that ask for nothing (a client
-# may send them at their defaults). Any other value, or any other unknown parameter,
-# is refused with a 400 that names it: never dropped.
+# Parameters we cannot honour yet, with the values that ask for nothing (a client
+# may send them at their defaults). Any other value, or any other parameter that
+# is neither declared below nor delegated to vLLM (``vllm_sampling.DELEGATED``), is
+# refused with a 400 that names it: never dropped.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "chat_template_kwargs": (None, {}),
+    "chat_template_kwargs": (None, {}),  # completions: no template to take them
 }
 # Parameters that only label a request (no effect on its output): accepted.
 _LABELS = ("user", "metadata", "store")
+# The sampling fields the front end resolves itself (``core/sampling.py``); vLLM
+# checks them with the delegated ones (``vllm_sampling.sampling_options``).
+_CLASSIC = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+)
 
 
 class StreamOptions(BaseModel):
@@ -137,16 +145,37 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    # Which of vLLM's request models takes the delegated fields (``vllm_sampling``).
+    _KIND: Kind = "completion"
+
+    def delegated(self) -> dict[str, Any]:
+        """The fields this request sets whose meaning is vLLM's, as sent (None
+        counts as unset, as it does for vLLM)."""
+        fields = {
+            name: value
+            for name, value in (self.model_extra or {}).items()
+            if name in DELEGATED[self._KIND] and value is not None
+        }
+        if self.n != 1:
+            fields["n"] = self.n
+        return fields
+
+    def classic(self) -> dict[str, Any]:
+        """The classic sampling fields this request sets (not None), as sent."""
+        return {
+            name: getattr(self, name)
+            for name in _CLASSIC
+            if getattr(self, name) is not None
+        }
+
     def refused(self) -> list[str]:
         """The parameters this request sets that the server cannot honour."""
         names = []
         for name, value in (self.model_extra or {}).items():
-            if name in _LABELS:
+            if name in _LABELS or name in DELEGATED[self._KIND]:
                 continue
             if name not in _NEUTRAL or value not in _NEUTRAL[name]:
                 names.append(name)
-        if self.n != 1:
-            names.append("n")
         if self.stream_options is not None and not self.stream:
             names.append("stream_options")  # OpenAI: only with stream=true
         return sorted(names)
@@ -186,8 +215,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    _KIND: Kind = "chat"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Passed to the model's chat template (Qwen3's enable_thinking, ...), as vLLM
+    # passes them (``PromptRenderer.chat_ids``).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def token_budget(self) -> int | None:
         """Tokens to generate at most; None: until the end of sequence or context."""

@@ -44,8 +44,10 @@ from ..core.prompting import check_text
 from ..core.sampling import resolve
 from .errors import InvalidRequest, error_message
 from .limits import ModelLimits
+from .logprobs import chat_logprobs, completion_logprobs
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tenancy import SaltPolicy, request_principal
+from .vllm_sampling import is_request_error, sampling_options
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ HOLDER_HEADER = "X-Xinference-Xavier-Holder"
 
 # index of the prompt in the request, chunk -> one OpenAI chunk or choice
 ToJson = Callable[[int, GenerationChunk], dict[str, Any]]
+# (index of the prompt, index of the choice among the prompt's n)
+ChoiceKey = tuple[int, int]
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,6 +82,9 @@ def add_serving_routes(
     async def completions(body: CompletionRequest, http: Request) -> Response:
         salt = salts.salt(request_principal(http), body.cache_salt)
         dispatcher = await dispatcher_for(body)
+        options = await _options(dispatcher, body, body.max_tokens)
+        n = int(options.get("n", 1))
+        top = options.get("logprobs")
         renderer = dispatcher.renderer
         jobs = []
         context = dispatcher.deployment.max_model_len
@@ -95,6 +102,7 @@ def add_serving_routes(
                 body.max_tokens,
                 "max_tokens",
                 cache_salt=salt,
+                options=options,
             )
             jobs.append(_Job(index, request))
         request_id = jobs[0].request.request_id
@@ -104,8 +112,26 @@ def add_serving_routes(
                     job.request, request_id=f"{request_id}-{job.index}"
                 )
         created = int(time.time())
+        # where a streamed choice's next logprobs start: after the tokens
+        # reported so far (as vLLM counts: text held back for a stop string
+        # lags the tokens)
+        next_offset: dict[ChoiceKey, int] = {}
 
         def chunk_json(index: int, chunk: GenerationChunk) -> dict[str, Any]:
+            key = (index, chunk.index)
+            logprobs = None
+            if top is not None and chunk.logprobs is not None:
+                logprobs = completion_logprobs(
+                    chunk.token_ids,
+                    chunk.logprobs,
+                    top,
+                    renderer.decode,
+                    text_offset=next_offset.get(key, 0),
+                )
+                if body.stream and logprobs["tokens"]:
+                    next_offset[key] = logprobs["text_offset"][-1] + len(
+                        logprobs["tokens"][-1]
+                    )
             return {
                 "id": request_id,
                 "object": "text_completion",
@@ -113,9 +139,10 @@ def add_serving_routes(
                 "model": body.model,
                 "choices": [
                     {
-                        "index": index,
+                        # vLLM's numbering: each prompt's n choices in turn
+                        "index": index * n + chunk.index,
                         "text": chunk.text,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": chunk.finish_reason,
                     }
                 ],
@@ -126,18 +153,27 @@ def add_serving_routes(
         finals = await _generate_all(dispatcher, jobs)
         payload = chunk_json(0, finals[0][0])
         payload["choices"] = [
-            chunk_json(i, chunk)["choices"][0] for i, (chunk, _) in enumerate(finals)
+            chunk_json(i, choice)["choices"][0]
+            for i, (chunk, _) in enumerate(finals)
+            for choice in _choices(chunk)
         ]
-        payload["usage"] = _usage([chunk for chunk, _ in finals])
+        payload["usage"] = _usage([c for chunk, _ in finals for c in _choices(chunk)])
         return JSONResponse(payload, headers=_load_headers(finals))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         salt = salts.salt(request_principal(http), body.cache_salt)
         dispatcher = await dispatcher_for(body)
+        options = await _options(dispatcher, body, body.token_budget())
+        top = options.get("logprobs")
+        renderer = dispatcher.renderer
         messages = [message.plain() for message in body.messages]
         token_ids = await asyncio.to_thread(
-            dispatcher.renderer.chat_ids, messages, dispatcher.deployment.max_model_len
+            _chat_ids,
+            renderer,
+            messages,
+            dispatcher.deployment.max_model_len,
+            body.chat_template_kwargs,
         )
         budget_param = (
             "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -150,15 +186,21 @@ def add_serving_routes(
             body.token_budget(),
             budget_param,
             cache_salt=salt,
+            options=options,
         )
         created = int(time.time())
-        first = [True]
+        started: set[int] = set()  # the choices whose role went out
+
+        def logprobs_json(chunk: GenerationChunk) -> dict[str, Any] | None:
+            if top is None or chunk.logprobs is None:
+                return None
+            return chat_logprobs(chunk.token_ids, chunk.logprobs, top, renderer.decode)
 
         def chunk_json(index: int, chunk: GenerationChunk) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": chunk.text}
-            if first[0]:
+            if chunk.index not in started:
                 delta = {"role": "assistant"} | delta
-                first[0] = False
+                started.add(chunk.index)
             return {
                 "id": request.request_id,
                 "object": "chat.completion.chunk",
@@ -166,8 +208,9 @@ def add_serving_routes(
                 "model": body.model,
                 "choices": [
                     {
-                        "index": index,
+                        "index": chunk.index,
                         "delta": delta,
+                        "logprobs": logprobs_json(chunk),
                         "finish_reason": chunk.finish_reason,
                     }
                 ],
@@ -177,7 +220,7 @@ def add_serving_routes(
         if body.stream:
             return await _sse(dispatcher, jobs, chunk_json, body.include_usage())
         finals = await _generate_all(dispatcher, jobs)
-        chunk = finals[0][0]
+        choices = _choices(finals[0][0])
         payload = {
             "id": request.request_id,
             "object": "chat.completion",
@@ -185,14 +228,54 @@ def add_serving_routes(
             "model": body.model,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": chunk.text},
-                    "finish_reason": chunk.finish_reason,
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": logprobs_json(choice),
+                    "finish_reason": choice.finish_reason,
                 }
+                for choice in choices
             ],
-            "usage": _usage([chunk]),
+            "usage": _usage(choices),
         }
         return JSONResponse(payload, headers=_load_headers(finals))
+
+
+async def _options(
+    dispatcher: ReplicaDispatcher, body: Any, max_tokens: int | None
+) -> dict[str, Any]:
+    """The ``SamplingParams`` arguments vLLM maps the request's delegated fields
+    to (``vllm_sampling.py``); checked before the prompt is tokenised, as vLLM
+    checks them. In a thread the first time: it imports vLLM's request models."""
+    fields = body.delegated()
+    if not fields:
+        return {}
+    return await asyncio.to_thread(
+        sampling_options,
+        body._KIND,
+        fields,
+        max_tokens,
+        dispatcher.sampling_defaults,
+        body.classic(),
+    )
+
+
+def _chat_ids(
+    renderer: Any,
+    messages: list[dict[str, Any]],
+    context: int | None,
+    template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    if template_kwargs:
+        return list(
+            renderer.chat_ids(messages, context, template_kwargs=template_kwargs)
+        )
+    # without arguments as before (stand-ins of the renderer take none)
+    return list(renderer.chat_ids(messages, context))
+
+
+def _choices(chunk: GenerationChunk) -> list[GenerationChunk]:
+    """A non-streamed request's choices (n of them), in order."""
+    return [chunk, *chunk.more]
 
 
 def _generation_request(
@@ -203,6 +286,7 @@ def _generation_request(
     max_tokens: int | None,
     max_tokens_param: str,
     cache_salt: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> GenerationRequest:
     """The request for one prompt, once it is known to fit the model, served
     under ``cache_salt`` (``tenancy.py``)."""
@@ -238,6 +322,7 @@ def _generation_request(
         stop=stop,
         ignore_eos=body.ignore_eos,
         cache_salt=cache_salt,
+        options=options or {},
     )
 
 
@@ -252,10 +337,23 @@ async def _generate_all(
         )
         try:
             return await dispatcher.serve(route, job.request)
-        except ValueError as error:  # vLLM's own request validation
-            raise InvalidRequest(error_message(error)) from None
+        except Exception as error:
+            if is_request_error(error):  # vLLM's own request validation
+                raise _invalid(error) from None
+            raise
 
     return list(await asyncio.gather(*(one(job) for job in jobs)))
+
+
+def _invalid(error: BaseException) -> InvalidRequest:
+    """A replica's refusal of a request (``is_request_error``) as our 400, in
+    the words vLLM's server answers with, naming the field where vLLM did."""
+    if isinstance(error, ValueError | TypeError | OverflowError):
+        message = error_message(error)
+    else:  # vLLM's client errors: their text says which parameter, as vLLM's does
+        message = str(error)
+    param = getattr(error, "parameter", None) or getattr(error, "param", None)
+    return InvalidRequest(message, param)
 
 
 class _Opened:
@@ -281,11 +379,10 @@ async def _open(dispatcher: ReplicaDispatcher, job: _Job) -> _Opened:
     stream = dispatcher.stream_served(route, job.request)
     try:
         first = await anext(stream, None)
-    except ValueError as error:
+    except BaseException as error:
         await stream.aclose()
-        raise InvalidRequest(error_message(error)) from None
-    except BaseException:
-        await stream.aclose()
+        if is_request_error(error):
+            raise _invalid(error) from None
         raise
     return _Opened(job.index, first, stream)
 
@@ -333,7 +430,7 @@ async def _events(
             queue.put_nowait((stream.index, None, error))
 
     tasks = [asyncio.create_task(pump(stream)) for stream in opened]
-    last: dict[int, GenerationChunk] = {}
+    last: dict[ChoiceKey, GenerationChunk] = {}
     try:
         running = len(tasks)
         while running:
@@ -348,7 +445,7 @@ async def _events(
             if chunk is None:
                 running -= 1
                 continue
-            last[index] = chunk
+            last[index, chunk.index] = chunk
             yield f"data: {json.dumps(to_json(index, chunk))}\n\n"
     finally:
         # Cancelling a pump closes its stream, which aborts the request on the
@@ -361,23 +458,27 @@ async def _events(
     if include_usage and last:
         # OpenAI's stream_options.include_usage: one last chunk, no choices.
         some = next(iter(last.values()))
-        final = to_json(0, dataclasses.replace(some, text="", token_ids=()))
+        final = to_json(
+            0, dataclasses.replace(some, text="", token_ids=(), logprobs=None)
+        )
         final["choices"] = []
-        final["usage"] = _usage([last[index] for index in sorted(last)])
+        final["usage"] = _usage([last[key] for key in sorted(last)])
         yield f"data: {json.dumps(final)}\n\n"
     yield "data: [DONE]\n\n"
 
 
 def _usage(chunks: Sequence[GenerationChunk]) -> dict[str, Any]:
-    """Usage of a request's final chunks (one per prompt), summed."""
-    prompt = sum(chunk.prompt_tokens for chunk in chunks)
+    """Usage of a request's final chunks (one per choice of each prompt),
+    summed; a prompt's tokens count once, whatever its number of choices."""
+    prompts = [chunk for chunk in chunks if chunk.index == 0]
+    prompt = sum(chunk.prompt_tokens for chunk in prompts)
     completion = sum(chunk.completion_tokens for chunk in chunks)
     usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
-    cached = [chunk.cached_prompt_tokens for chunk in chunks]
+    cached = [chunk.cached_prompt_tokens for chunk in prompts]
     if all(tokens is not None for tokens in cached):
         usage["prompt_tokens_details"] = {
             "cached_tokens": sum(t for t in cached if t is not None)

@@ -7,6 +7,7 @@ these types only (they pickle through xoscar); a field renamed breaks at the sen
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +207,16 @@ class GenerationRequest:
     # vLLM's per-request prefix cache salt (None: unsalted); Xavier and the
     # router hash the prompt's blocks under it too
     cache_salt: str | None = None
+    # Further ``SamplingParams`` arguments (n, penalties, logprobs, ...), as vLLM's
+    # own request model mapped the request's fields (``api/vllm_sampling.py``);
+    # only those that differ from ``SamplingParams``' defaults.
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+# One generated token's logprobs as vLLM's engine returned them: (token id,
+# logprob, decoded text or None) for each entry, in vLLM's order (the sampled
+# token first, then the top ones by rank).
+StepLogprobs = tuple[tuple[int, float, str | None], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +235,12 @@ class GenerationChunk:
     # rank (set on a request's last chunk; 0 and None when nothing was loaded).
     external_prompt_tokens: int = 0
     external_holder_rank: int | None = None
+    # Which of the request's ``n`` choices this is (0 with n=1).
+    index: int = 0
+    # Logprobs of this chunk's tokens, one entry per token (None: not asked for).
+    logprobs: tuple[StepLogprobs, ...] | None = None
+    # A non-streamed request's other choices (n > 1), each complete.
+    more: tuple[GenerationChunk, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

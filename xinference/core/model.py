@@ -287,7 +287,7 @@ class ReplicaModelActor(xo.StatelessActor):
         except Exception as error:
             raise self._failure(engine, error) from None
         finally:
-            self._end(final)
+            self._end(*(() if final is None else (final, *final.more)))
             if task is not None:
                 self._generating.discard(task)
         if final is None:
@@ -335,11 +335,11 @@ class ReplicaModelActor(xo.StatelessActor):
     async def _produce(
         self, engine: VLLMEngine, request: GenerationRequest, stream: _Stream
     ) -> None:
-        last: GenerationChunk | None = None
+        last: dict[int, GenerationChunk] = {}  # per choice (n > 1)
         self._begin(request)
         try:
             async for chunk in engine.generate(request, stream=True):
-                last = chunk
+                last[chunk.index] = chunk
                 stream.queue.put_nowait(chunk)
         except asyncio.CancelledError:
             stream.queue.put_nowait(_End(RuntimeError("stream aborted")))
@@ -349,7 +349,7 @@ class ReplicaModelActor(xo.StatelessActor):
         else:
             stream.queue.put_nowait(_End())
         finally:
-            self._end(last)
+            self._end(*last.values())
 
     async def _reap_abandoned_streams(self) -> None:
         while True:
@@ -372,11 +372,13 @@ class ReplicaModelActor(xo.StatelessActor):
         self._in_flight += 1
         self._prompt_tokens += len(request.prompt_token_ids)
 
-    def _end(self, last: GenerationChunk | None) -> None:
+    def _end(self, *last: GenerationChunk) -> None:
+        """A request ended; ``last``: each of its choices' last chunk (none when
+        it produced nothing)."""
         self._in_flight -= 1
-        if last is not None:
-            self._generated_tokens += last.completion_tokens
-            self._cached_prompt_tokens += last.cached_prompt_tokens or 0
+        self._generated_tokens += sum(chunk.completion_tokens for chunk in last)
+        if last:  # the prompt's, the same on every choice
+            self._cached_prompt_tokens += last[0].cached_prompt_tokens or 0
 
     def _failure(self, engine: VLLMEngine, error: Exception) -> Exception:
         """``error`` as the caller should see it: a dead engine is this replica's

@@ -17,6 +17,7 @@ tokenizer copy of its own: a short prompt never waits for a long one.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -75,19 +76,45 @@ class PromptRenderer:
         prompt: str | Sequence[int],
         context: int | None = None,
         param: str = "prompt",
+        add_special_tokens: bool = True,
     ) -> list[int]:
         """A completion prompt's ids; a text is refused (``PromptRefused``) when
         the tokenizer cannot take it or when it cannot fit ``context`` tokens
         (None or 0: unknown, not checked before encoding)."""
         if isinstance(prompt, str):
-            return self._encode(prompt, context, param, add_special_tokens=True)
+            return self._encode(
+                prompt, context, param, add_special_tokens=add_special_tokens
+            )
         return [int(token) for token in prompt]
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (``/tokenize``)."""
+        return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (``/detokenize``). Blocking: use a thread.
+        An id outside the vocabulary is refused (``PromptRefused``)."""
+        vocab = len(self._tokenizer)
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab:
+                raise PromptRefused(
+                    f"token id {token_id} is outside the vocabulary (0 to "
+                    f"{vocab - 1})",
+                    "tokens",
+                )
+        with self._pool.borrowed() as tokenizer:
+            return str(tokenizer.decode(list(token_ids)))
+
+    def decode(self, token_id: int) -> str:
+        """One token's text (for the rare logprob entry the engine left undecoded)."""
+        return str(self._tokenizer.decode([token_id]))
 
     def chat_ids(
         self,
         messages: Sequence[Mapping[str, Any]],
         context: int | None = None,
         param: str = "messages",
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The prompt of a conversation, ready for the assistant's turn.
 
@@ -95,6 +122,8 @@ class PromptRenderer:
         a list of text parts (``{"type": "text", "text": ...}``). The model's chat
         template renders them (with its own default system prompt, if it has one);
         without a template, role markers do. Refused as ``completion_ids`` is.
+        ``template_kwargs``: a request's ``chat_template_kwargs``, which the
+        template reads as vLLM's server passes them (``template_arguments``).
         """
         plain = [
             {"role": message["role"], "content": message_text(message.get("content"))}
@@ -106,7 +135,7 @@ class PromptRenderer:
             # token ids whatever apply_chat_template returns in this transformers
             # release (a list in 4.x, a BatchEncoding in 5.x). Templates write their
             # special tokens out, so none are added.
-            text = self._render(plain, param)
+            text = self._render(plain, param, template_kwargs or {})
         else:
             text = "".join(
                 _FALLBACK_ROLE_PREFIX.format(role=m["role"])
@@ -122,13 +151,16 @@ class PromptRenderer:
             check_text(message["content"], f"{param}[{index}].content")
         return self._encode(text, context, param, add_special_tokens=not templated)
 
-    def _render(self, messages: list[dict[str, Any]], param: str) -> str:
+    def _render(
+        self, messages: list[dict[str, Any]], param: str, kwargs: Mapping[str, Any]
+    ) -> str:
         from jinja2 import TemplateError
 
+        arguments = template_arguments(self._tokenizer.chat_template, kwargs)
         try:
             return str(
                 self._tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
+                    messages, add_generation_prompt=True, tokenize=False, **arguments
                 )
             )
         except TemplateError as error:  # the template's own refusal
@@ -201,6 +233,42 @@ class _TokenizerPool:
             with self._changed:
                 self._free.append(tokenizer)
                 self._changed.notify()
+
+
+# What the renderer itself gives the template, and the arguments that would
+# change how it is applied rather than what it reads: a request's own value is
+# dropped, as vLLM's server drops these.
+_RENDERER_ARGUMENTS = frozenset(
+    {"messages", "add_generation_prompt", "chat_template", "tokenize"}
+)
+
+
+def template_arguments(
+    template: str | dict[str, str] | None, kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Of a request's ``chat_template_kwargs``, those the template reads, as vLLM's
+    server keeps them: the others are dropped, not refused (a client may send
+    one set of arguments to models whose templates differ)."""
+    if not kwargs:
+        return {}
+    read = _template_variables(template if isinstance(template, str) else None)
+    return {
+        name: value
+        for name, value in kwargs.items()
+        if name in read and name not in _RENDERER_ARGUMENTS
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(template: str | None) -> frozenset[str]:
+    """The names a Jinja template reads from its context."""
+    if not template:
+        return frozenset()
+    import jinja2
+    from jinja2 import meta
+
+    environment = jinja2.Environment()
+    return frozenset(meta.find_undeclared_variables(environment.parse(template)))
 
 
 def check_text(text: str, param: str) -> None:

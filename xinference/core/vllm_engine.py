@@ -23,6 +23,7 @@ the processes exit).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import os
@@ -34,7 +35,7 @@ import psutil
 from ..model.llm.vllm.xavier.config import XavierReplicaSettings
 from ..model.llm.vllm.xavier.hashing import model_namespace
 from .child_errors import ChildStderr, root_cause
-from .messages import GenerationChunk, GenerationRequest, ReplicaSpec
+from .messages import GenerationChunk, GenerationRequest, ReplicaSpec, StepLogprobs
 from .options import LaunchOptionError
 
 logger = logging.getLogger(__name__)
@@ -280,31 +281,44 @@ class VLLMEngine:
             output_kind=(
                 RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
             ),
+            **request.options,
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt:
             # vLLM salts the prompt's first block hash with it (its prefix cache
             # and, through Request.cache_salt, Xavier's keys)
             prompt["cache_salt"] = request.cache_salt
-        generated = 0
+        generated: dict[int, int] = {}  # tokens so far, per choice
         async for output in self._engine.generate(prompt, params, request.request_id):
-            completion = output.outputs[0]
-            generated = (
-                generated + len(completion.token_ids)
-                if stream
-                else len(completion.token_ids)
-            )
             external_tokens, holder = _xavier_load(output.kv_transfer_params)
-            yield GenerationChunk(
-                text=completion.text,
-                token_ids=tuple(completion.token_ids),
-                finish_reason=completion.finish_reason if output.finished else None,
-                prompt_tokens=len(request.prompt_token_ids),
-                completion_tokens=generated,
-                cached_prompt_tokens=output.num_cached_tokens,
-                external_prompt_tokens=external_tokens,
-                external_holder_rank=holder,
-            )
+            chunks = []
+            # With n > 1 an output carries the choices that have news (streamed)
+            # or all of them (not streamed), each with its own index.
+            for completion in output.outputs:
+                index = completion.index
+                generated[index] = len(completion.token_ids) + (
+                    generated.get(index, 0) if stream else 0
+                )
+                chunks.append(
+                    GenerationChunk(
+                        text=completion.text,
+                        token_ids=tuple(completion.token_ids),
+                        finish_reason=completion.finish_reason,
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=generated[index],
+                        cached_prompt_tokens=output.num_cached_tokens,
+                        external_prompt_tokens=external_tokens,
+                        external_holder_rank=holder,
+                        index=index,
+                        logprobs=_plain_logprobs(completion.logprobs),
+                    )
+                )
+            if stream:
+                for chunk in chunks:
+                    yield chunk
+            elif chunks:  # one chunk: the first choice, the others with it
+                chunks.sort(key=lambda chunk: chunk.index)
+                yield dataclasses.replace(chunks[0], more=tuple(chunks[1:]))
 
     @property
     def dead(self) -> bool:
@@ -354,3 +368,17 @@ def _xavier_load(params: dict[str, Any] | None) -> tuple[int, int | None]:
     if not params or "xavier_external_tokens" not in params:
         return 0, None
     return int(params["xavier_external_tokens"]), params.get("xavier_holder_rank")
+
+
+def _plain_logprobs(logprobs: Any) -> tuple[StepLogprobs, ...] | None:
+    """A completion's logprobs (per token, vLLM's ``{token id: Logprob}`` in its
+    order) as plain data that pickles without vLLM; None when not asked for."""
+    if logprobs is None:
+        return None
+    return tuple(
+        tuple(
+            (int(token_id), float(entry.logprob), entry.decoded_token)
+            for token_id, entry in (step or {}).items()
+        )
+        for step in logprobs
+    )

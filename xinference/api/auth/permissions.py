@@ -60,6 +60,8 @@ ROUTE_PERMISSIONS: dict[tuple[str, str], str] = {
     # generating reads a model, as upstream has it
     ("POST", "/v1/completions"): MODELS_READ,
     ("POST", "/v1/chat/completions"): MODELS_READ,
+    ("POST", "/tokenize"): MODELS_READ,
+    ("POST", "/detokenize"): MODELS_READ,
     ("POST", "/v1/models"): MODELS_START,
     ("POST", "/v1/models/{model_uid}/cancel"): MODELS_STOP,
     ("DELETE", "/v1/models/{model_uid}"): MODELS_STOP,
