@@ -73,11 +73,17 @@ class Deployment:
             return self.terminating_since
         return self.started
 
+    def listed_state(self) -> str:
+        """The state as ``GET /v1/models`` lists it: a ready model with replicas
+        gone or unresponsive is degraded (still serving on the others)."""
+        if self.state == "ready" and (self.gone or self.unresponsive):
+            return "degraded"
+        return self.state
+
     def progress(self) -> LaunchProgress:
-        state, detail = self.state, self.detail
-        if state == "ready" and (self.gone or self.unresponsive):
-            # Still serving on the others: say which replicas are not and why.
-            state = "degraded"
+        state, detail = self.listed_state(), self.detail
+        if state == "degraded":
+            # Say which replicas do not serve and why.
             detail = "; ".join(
                 [f"replica {r} gone: {why}" for r, why in sorted(self.gone.items())]
                 + [

@@ -532,7 +532,7 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
         record = self._models.get(model_uid)
         if record is None:
             launched = tuple(
-                (uid, _listed_state(model)) for uid, model in self._models.items()
+                (uid, model.listed_state()) for uid, model in self._models.items()
             )
             raise ModelNotLaunched(model_uid, launched)
         return record
@@ -558,14 +558,6 @@ class SupervisorActor(xo.StatelessActor, WorkerRegistry):
             quantization=dict(spec.engine.extra).get("quantization"),
             unresponsive=dict(record.unresponsive),
         )
-
-
-def _listed_state(record: Deployment) -> str:
-    """A model's state as ``GET /v1/models`` lists it (a ready model with replicas
-    gone or unresponsive is degraded)."""
-    if record.state == "ready" and (record.gone or record.unresponsive):
-        return "degraded"
-    return record.state
 
 
 async def _launch_result(record: Deployment) -> DeploymentInfo:
