@@ -323,6 +323,15 @@ async def test_without_the_tracker_updates_fail_loudly_and_mirrors_stop(setup):
         await stop([relayed])
 
 
+def _mirror_from(relay, answer) -> TrackerMirror:
+    """A fresh mirror of ``relay`` that has applied ``answer``."""
+    mirror = TrackerMirror(
+        lambda s, w: relay.mirror_changes(0, s, w), rpc_timeout_s=1.0
+    )
+    mirror.apply(answer)
+    return mirror
+
+
 async def test_a_mirror_behind_the_relays_log_gets_a_fresh_snapshot(pool):
     async with tracker_and_relay(pool, log_keys=4) as setup:
         relay, tracker = setup.relay, setup.tracker
@@ -336,10 +345,7 @@ async def test_a_mirror_behind_the_relays_log_gets_a_fresh_snapshot(pool):
         # snapshot: it fetches one from the tracker
         answer = await relay.mirror_changes(0, base, 0.0)
         assert answer.reset and answer.version == newest
-        mirror = TrackerMirror(
-            lambda s, w: relay.mirror_changes(0, s, w), rpc_timeout_s=1.0
-        )
-        mirror.apply(answer)
+        mirror = _mirror_from(relay, answer)
         assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 8)
         assert mirror.query(0, OTHER) == PrefixHit(1, "nixl://b", 4)
         await tracker.update_blocks(1, pack_keys(KEYS[:1]), b"")
@@ -396,10 +402,7 @@ async def test_records_that_do_not_match_the_versions_restart_the_relays_log(poo
         await eventually(lambda: _relay_at(relay, before + 1))
         answer = await relay.mirror_changes(0, before, 0.0)
         assert answer.reset and answer.version == before + 1
-        mirror = TrackerMirror(
-            lambda s, w: relay.mirror_changes(0, s, w), rpc_timeout_s=1.0
-        )
-        mirror.apply(answer)
+        mirror = _mirror_from(relay, answer)
         assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 4)
 
 
@@ -416,8 +419,5 @@ async def test_a_mirror_older_than_the_relays_log_base_gets_a_snapshot(pool):
         await eventually(lambda: _relay_at(relay, before + 1))
         answer = await relay.mirror_changes(0, before, 0.0)
         assert answer.reset and answer.version == before + 1
-        mirror = TrackerMirror(
-            lambda s, w: relay.mirror_changes(0, s, w), rpc_timeout_s=1.0
-        )
-        mirror.apply(answer)
+        mirror = _mirror_from(relay, answer)
         assert mirror.query(0, KEYS) == PrefixHit(1, "nixl://b", 3)
